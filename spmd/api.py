@@ -1,0 +1,242 @@
+"""spmd.partition: trace → propagate → plan → lower, cached per argument avals and specs."""
+from __future__ import annotations
+
+import functools
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from spmd.mesh import mesh_shape
+from spmd.partition.ir import build_program
+from spmd.partition.lower_xla import lower_xla
+from spmd.partition.planner import Analysis, Boundary, analyze
+from spmd.partition.sharding import TensorSharding
+from spmd.plan import Plan
+
+BACKENDS = ("xla",)
+
+
+def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
+              out_specs: Any = None, static_argnums: int | Sequence[int] = (),
+              donate_argnums: int | Sequence[int] = (), backend: str = "xla") -> Any:
+  """Partitions ``fun`` over ``mesh``: one SPMD program for every device.
+
+  ``in_specs`` / ``out_specs`` are pytree prefixes of the (non-static) arguments / the outputs
+  with ``PartitionSpec`` or ``None`` (open: propagation chooses) leaves. ``in_specs=None`` takes
+  the ``NamedSharding`` of arguments already on ``mesh`` and leaves the rest open. Works as a
+  decorator (``@partition(mesh=...)``) or a call (``partition(f, mesh=...)``).
+  """
+  if fun is None:
+    return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             static_argnums=static_argnums, donate_argnums=donate_argnums,
+                             backend=backend)
+  return Partitioned(fun, mesh, in_specs, out_specs, _ints(static_argnums, "static_argnums"),
+                     _ints(donate_argnums, "donate_argnums"), backend)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+  analysis: Analysis
+  fn: Callable
+  out_tree: Any
+
+
+class Partitioned:
+  """A partitioned function: call it, or ask for its ``plan`` / ``lower`` without running it."""
+
+  def __init__(self, fun: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
+               static_argnums: tuple[int, ...], donate_argnums: tuple[int, ...], backend: str):
+    if not callable(fun):
+      raise TypeError(f"spmd.partition: fun must be callable, got {fun!r}")
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"spmd.partition: mesh must be a jax.sharding.Mesh (see spmd.make_mesh), "
+                      f"got {type(mesh).__name__}")
+    if backend not in BACKENDS:
+      raise ValueError(f"spmd.partition: backend must be one of {BACKENDS}, got {backend!r}")
+    self.fun, self.mesh, self.backend = fun, mesh, backend
+    self.in_specs, self.out_specs = in_specs, out_specs
+    self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
+    self._mesh_shape = mesh_shape(mesh)
+    self._cache: dict[Any, _Compiled] = {}
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    compiled, leaves = self._compile(args, kwargs)
+    with jax.set_mesh(self.mesh):
+      outs = compiled.fn(*leaves)
+    return tree_unflatten(compiled.out_tree, outs)
+
+  def plan(self, *args: Any, **kwargs: Any) -> Plan:
+    """The partitioned program's plan for these arguments (abstract values suffice)."""
+    return self._compile(args, kwargs)[0].analysis.plan
+
+  def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    compiled, leaves = self._compile(args, kwargs)
+    with jax.set_mesh(self.mesh):
+      return compiled.fn.lower(*leaves)
+
+  # --- tracing and caching -------------------------------------------------------------------
+
+  def _compile(self, args: tuple, kwargs: dict) -> tuple[_Compiled, list]:
+    args = self._positional(args, kwargs)
+    names = self._arg_names(len(args))
+    for i in self.static_argnums + self.donate_argnums:
+      if not -len(args) <= i < len(args):
+        raise ValueError(f"spmd.partition: argnum {i} is out of range for {len(args)} arguments")
+    static = {i % len(args) for i in self.static_argnums}
+    statics = tuple((i, args[i]) for i in sorted(static))
+    for i, value in statics:
+      try:
+        hash(value)
+      except TypeError:
+        raise TypeError(f"spmd.partition: static argument {names[i]} must be hashable, got "
+                        f"{type(value).__name__}") from None
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    dyn = tuple(args[i] for i in dyn_idx)
+    with_paths, in_tree = tree_flatten_with_path(dyn)
+    leaves = [leaf for _, leaf in with_paths]
+    leaf_names = [names[dyn_idx[path[0].idx]] + keystr(path[1:]) for path, _ in with_paths]
+    for name, leaf in zip(leaf_names, leaves):
+      _check_leaf(name, leaf)
+    avals = tuple(jax.typeof(leaf) for leaf in leaves)
+    given = self._input_specs(dyn, leaves, leaf_names, avals)
+    key = (in_tree, avals, statics, given)
+    if key not in self._cache:
+      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, leaf_names, given)
+    return self._cache[key], leaves
+
+  def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, leaves: list,
+             leaf_names: list[str], given: tuple) -> _Compiled:
+    out_store: list[Any] = []
+
+    def flat_fun(*flat: Any) -> list:
+      full = list(args)
+      for i, value in zip(dyn_idx, tree_unflatten(in_tree, flat)):
+        full[i] = value
+      out_leaves, out_tree = tree_flatten(self.fun(*full))
+      out_store.append(out_tree)
+      return out_leaves
+
+    with jax.set_mesh(self.mesh):
+      closed = jax.make_jaxpr(flat_fun)(*leaves)
+    out_tree = out_store[-1]
+    program = build_program(closed)
+    outputs = self._output_specs(out_tree, program)
+    boundary = Boundary(given, tuple(leaf_names), outputs)
+    analysis = analyze(program, boundary, self._mesh_shape, backend=self.backend,
+                       name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
+                       out_tree=out_tree, even_boundary=True)
+    donated = self._donated_leaves(args, dyn_idx, in_tree)
+    fn = lower_xla(analysis, self.mesh, donated)
+    return _Compiled(analysis, fn, out_tree)
+
+  # --- specs -----------------------------------------------------------------------------------
+
+  def _input_specs(self, dyn: tuple, leaves: list, names: list[str],
+                   avals: tuple) -> tuple[TensorSharding | None, ...]:
+    if self.in_specs is None:
+      specs = [_mesh_spec(leaf, self.mesh) for leaf in leaves]
+    else:
+      specs = _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments")
+    return tuple(self._sharding(spec, aval.shape, f"in_specs for argument {name}")
+                 for spec, aval, name in zip(specs, avals, names))
+
+  def _output_specs(self, out_tree: Any, program: Any) -> tuple[TensorSharding | None, ...]:
+    if self.out_specs is None:
+      return (None,) * out_tree.num_leaves
+    outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
+    specs = _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+    paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
+    return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
+                 for spec, atom, path in zip(specs, program.outputs, paths))
+
+  def _sharding(self, spec: P | None, shape: tuple[int, ...], what: str) -> TensorSharding | None:
+    if spec is None:
+      return None
+    sharding = TensorSharding.from_spec(spec, len(shape), self._mesh_shape, what=what)
+    for d, n in enumerate(shape):
+      shards = sharding.shards(d, self._mesh_shape)
+      if n % shards:
+        raise ValueError(f"{what}: dim {d} of size {n} does not split evenly into {shards} "
+                         f"shards; backend={self.backend!r} needs even shards at the boundary")
+    return sharding
+
+  # --- arguments -------------------------------------------------------------------------------
+
+  def _positional(self, args: tuple, kwargs: dict) -> tuple:
+    if not kwargs:
+      return args
+    bound = inspect.signature(self.fun).bind(*args, **kwargs)
+    if bound.kwargs:
+      raise TypeError(f"spmd.partition: keyword-only arguments {sorted(bound.kwargs)} are not "
+                      "supported; pass them positionally")
+    return bound.args
+
+  def _arg_names(self, n: int) -> list[str]:
+    try:
+      params = [p.name for p in inspect.signature(self.fun).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+      params = []
+    return [repr(params[i]) if i < len(params) else f"#{i}" for i in range(n)]
+
+  def _donated_leaves(self, args: tuple, dyn_idx: list[int], in_tree: Any) -> tuple[int, ...]:
+    donate = {i % len(args) for i in self.donate_argnums}
+    out, start = [], 0
+    for i in dyn_idx:
+      count = len(jax.tree_util.tree_leaves(args[i]))
+      if i in donate:
+        out.extend(range(start, start + count))
+      start += count
+    return tuple(out)
+
+
+def _broadcast_prefix(prefix: Any, tree: tuple, what: str, of: str) -> list[P | None]:
+  """Expands a pytree prefix of specs to one spec per leaf of ``tree``."""
+  if isinstance(prefix, list):
+    prefix = tuple(prefix)
+  is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+  spec_leaves, spec_tree = tree_flatten(prefix, is_leaf=is_spec)
+  for leaf in spec_leaves:
+    if not is_spec(leaf):
+      raise TypeError(f"spmd.partition: {what} leaves must be PartitionSpec or None, got {leaf!r}")
+  try:
+    subtrees = spec_tree.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"spmd.partition: {what} {prefix!r} does not match the structure of the "
+                     f"{of} {jax.tree_util.tree_structure(tree)}: {e}") from None
+  out: list[P | None] = []
+  for spec, sub in zip(spec_leaves, subtrees):
+    out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
+  return out
+
+
+def _mesh_spec(leaf: Any, mesh: Mesh) -> P | None:
+  sharding = getattr(leaf, "sharding", None)
+  if (isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding)
+      and isinstance(sharding.mesh, Mesh) and sharding.mesh.axis_names == mesh.axis_names
+      and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
+    return sharding.spec
+  return None
+
+
+def _check_leaf(name: str, leaf: Any) -> None:
+  if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)) or (
+      hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+    return
+  raise TypeError(f"spmd.partition: argument {name} is a {type(leaf).__name__}, not an array; "
+                  "pass arrays or mark the argument static with static_argnums")
+
+
+def _ints(x: int | Sequence[int], what: str) -> tuple[int, ...]:
+  items = (x,) if isinstance(x, int) else tuple(x)
+  if not all(isinstance(i, int) for i in items):
+    raise TypeError(f"spmd.partition: {what} must be ints, got {x!r}")
+  return items

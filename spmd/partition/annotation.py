@@ -1,0 +1,67 @@
+"""User annotations: ``spmd.annotate`` and ``jax.lax.with_sharding_constraint`` inside a program.
+
+``annotate`` binds its own identity primitive, so the same function runs unpartitioned anywhere
+(jit, grad, vmap): the annotation means something only to ``spmd.partition``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from spmd.partition.ir import Op
+
+annotate_p = Primitive("spmd_annotate")
+annotate_p.def_impl(lambda x, *, spec: x)
+annotate_p.def_abstract_eval(lambda x, *, spec: x)
+mlir.register_lowering(annotate_p, lambda ctx, x, *, spec: [x])
+ad.deflinear2(annotate_p, lambda ct, x, *, spec: [annotate_p.bind(ct, spec=spec)])
+
+
+def _batch(args: tuple, dims: tuple, *, spec: P) -> tuple[Any, int]:
+  (x,), (d,) = args, dims
+  entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
+  entries.insert(d, None)
+  return annotate_p.bind(x, spec=P(*entries)), d
+
+
+batching.primitive_batchers[annotate_p] = _batch
+
+
+def annotate(x: Any, spec: P) -> Any:
+  """Asks that every array in ``x`` be sharded as ``spec`` inside ``spmd.partition``.
+
+  The identity everywhere else. Entries given as ``P.UNCONSTRAINED`` stay open to propagation.
+  """
+  if not isinstance(spec, P):
+    raise TypeError(f"spmd.annotate: spec must be a jax.sharding.PartitionSpec, got {spec!r}")
+
+  def one(leaf: Any) -> Any:
+    ndim = jax.numpy.ndim(leaf)
+    if len(spec) > ndim:
+      raise ValueError(f"spmd.annotate: {spec} has {len(spec)} entries but the array has "
+                       f"rank {ndim}")
+    return annotate_p.bind(leaf, spec=spec)
+
+  return jax.tree_util.tree_map(one, x)
+
+
+def annotation_spec(op: Op) -> tuple[P, frozenset[int]] | None:
+  """The spec an annotation op asks for and its open (unconstrained) dims; None if not one."""
+  if op.primitive == "spmd_annotate":
+    spec = op.params["spec"]
+    return spec, frozenset(d for d, e in enumerate(spec) if e is P.UNCONSTRAINED)
+  if op.primitive == "sharding_constraint":
+    sharding = op.params["sharding"]
+    if not isinstance(sharding, NamedSharding):
+      raise TypeError(f"with_sharding_constraint at {op.source}: spmd.partition needs a "
+                      f"PartitionSpec or NamedSharding, got {type(sharding).__name__}")
+    spec = sharding.spec
+    open_dims = set(op.params.get("unconstrained_dims") or ())
+    open_dims |= {d for d, e in enumerate(spec) if e is P.UNCONSTRAINED}
+    return spec, frozenset(open_dims)
+  return None

@@ -1,0 +1,123 @@
+"""How each op runs on local shards: the axes of every factor, what its operands must be
+resharded to first, and the (possibly partial-sum) results it produces.
+
+For every constraint (op or control-flow link): factors that reach a result take the result's
+propagated axes; reduction factors keep the operands' axes (their results become partial sums,
+reduced afterwards); need-replication and permutation factors are whole on every device.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from spmd.partition.propagate import Constraint, project
+from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.ir import Value
+
+
+@dataclass(frozen=True)
+class Execution:
+  constraint: Constraint
+  factor_axes: tuple[Axes, ...]
+  needs: tuple[TensorSharding | None, ...]        # per operand: the sharding the op runs on
+  produces: tuple[TensorSharding | None, ...]     # per result: local results (maybe partial)
+  operand_steps: tuple[tuple[ReshardStep, ...], ...]
+  result_steps: tuple[tuple[ReshardStep, ...], ...]
+
+  def steps(self) -> list[tuple[str, int, ReshardStep]]:
+    """Every reshard step as (``"operand"``/``"result"``, tensor position, step)."""
+    out = [("operand", i, s) for i, steps in enumerate(self.operand_steps) for s in steps]
+    return out + [("result", i, s) for i, steps in enumerate(self.result_steps) for s in steps]
+
+
+def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding],
+                   mesh: MeshShape) -> Execution:
+  rule = c.rule
+  axes = _factor_axes(c, shardings, mesh)
+  needs = tuple(None if v is None or tf is None else _sharding(tf, axes, rule, mesh)
+                for v, tf in zip(c.operands, rule.operands))
+  partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
+                  for a in axes[f])
+  produces = tuple(None if v is None or tf is None else
+                   TensorSharding(_sharding(tf, axes, rule, mesh).dims, partial)
+                   for v, tf in zip(c.results, rule.results))
+  operand_steps = tuple(() if need is None else _steps(shardings[v], need, v, mesh)
+                        for v, need in zip(c.operands, needs))
+  result_steps = tuple(() if made is None else _steps(made, shardings[v], v, mesh)
+                       for v, made in zip(c.results, produces))
+  return Execution(c, axes, needs, produces, operand_steps, result_steps)
+
+
+def _steps(src: TensorSharding, dst: TensorSharding, v: Value,
+           mesh: MeshShape) -> tuple[ReshardStep, ...]:
+  if src == dst:
+    return ()
+  return plan_reshard(src, dst, v.shape, v.dtype.itemsize, mesh)
+
+
+def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding],
+                 mesh: MeshShape) -> tuple[Axes, ...]:
+  rule = c.rule
+  from_results = _projections(c.results, rule.results, shardings, rule, mesh)
+  from_operands = _projections(c.operands, rule.operands, shardings, rule, mesh)
+  chosen: dict[int, Axes] = {}
+  for f, kind in enumerate(rule.kinds):
+    if kind in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
+      continue
+    if f in from_results:
+      chosen[f] = from_results[f][0][1]
+    elif f in from_operands:
+      chosen[f] = _agreed(from_operands[f])
+  # Reduction factors keep the operands' layout; result factors yield a clashing axis.
+  order = sorted(chosen, key=lambda f: (rule.kinds[f] is not FactorKind.REDUCTION, f))
+  used: set[str] = set()
+  final = [()] * rule.num_factors
+  for f in order:
+    keep: list[str] = []
+    for a in chosen[f]:
+      if a in used:
+        break
+      keep.append(a)
+    used.update(keep)
+    final[f] = tuple(keep)
+  _drop_inexpressible(final, rule, mesh)
+  return tuple(final)
+
+
+def _projections(values, tensors, shardings, rule: OpShardingRule,
+                 mesh: MeshShape) -> dict[int, list[tuple[int, Axes]]]:
+  """Per factor: (tensor size, axes) from every tensor that has the factor."""
+  out: dict[int, list[tuple[int, Axes]]] = {}
+  for v, tf in zip(values, tensors):
+    if v is None or tf is None:
+      continue
+    dims = shardings[v].dims
+    for d, factors in enumerate(tf):
+      for f, axes in project(factors, dims[d], rule.sizes, mesh):
+        out.setdefault(f, []).append((math.prod(v.shape), axes))
+  return out
+
+
+def _agreed(cands: list[tuple[int, Axes]]) -> Axes:
+  """The longest axes all operands agree on as prefixes, else the largest operand's."""
+  longest = max((a for _, a in cands), key=len)
+  if all(longest[:len(a)] == a for _, a in cands):
+    return longest
+  return max(cands, key=lambda t: t[0])[1]
+
+
+def _drop_inexpressible(axes: list[Axes], rule: OpShardingRule, mesh: MeshShape) -> None:
+  """In a merged dim [f1, f2], f2 can only be sharded if f1 is sharded completely."""
+  for tf in rule.tensors():
+    for factors in tf or ():
+      for major, minor in zip(factors, factors[1:]):
+        if math.prod(mesh[a] for a in axes[major]) != rule.sizes[major]:
+          axes[minor] = ()
+
+
+def _sharding(tf: TensorFactors, axes: tuple[Axes, ...] | list[Axes], rule: OpShardingRule,
+              mesh: MeshShape) -> TensorSharding:
+  return TensorSharding(tuple(tuple(a for f in factors for a in axes[f]) for factors in tf))

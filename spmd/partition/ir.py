@@ -1,0 +1,186 @@
+"""The traced program as spmd sees it: call-like equations inlined, control flow kept as regions.
+
+Every ``Value`` is one array of the program, unique across regions, so propagation can treat the
+whole nested program as one graph. Each ``Op`` keeps its jaxpr equation, so it can be re-bound.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+# Call-like primitives whose body is inlined: sharding decisions see through them.
+INLINED_CALLS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr",
+}
+# Control flow whose bodies become regions: param names of the closed jaxprs, in region order.
+REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Value:
+  """One array of the program (its aval is global: no sharding is baked in)."""
+
+  aval: Any
+  const: Any = None  # the array, for closed-over constants
+  id: int = field(default_factory=lambda: next(_ids))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.aval.shape)
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.aval.dtype
+
+  def __repr__(self) -> str:
+    return f"v{self.id}:{self.aval.str_short()}"
+
+
+@dataclass(frozen=True)
+class Literal:
+  """A scalar constant written into an equation."""
+
+  val: Any
+  aval: Any
+
+
+Atom = Union[Value, Literal]
+
+
+@dataclass(eq=False)
+class Region:
+  """A body of a control-flow op: its own inputs, ops and outputs."""
+
+  inputs: tuple[Value, ...]
+  ops: list[Op]
+  outputs: tuple[Atom, ...]
+
+
+@dataclass(eq=False)
+class Op:
+  """One primitive application; ``index`` is its place in the program's depth-first order."""
+
+  index: int
+  primitive: str
+  params: dict
+  inputs: tuple[Atom, ...]
+  outputs: tuple[Value, ...]
+  source: str
+  eqn: Any
+  regions: tuple[Region, ...] = ()
+
+  def __repr__(self) -> str:
+    return f"op{self.index}:{self.primitive}"
+
+
+@dataclass(eq=False)
+class Program:
+  inputs: tuple[Value, ...]
+  ops: list[Op]
+  outputs: tuple[Atom, ...]
+  consts: tuple[Value, ...]
+
+  def all_ops(self) -> list[Op]:
+    """Every op, region ops right after their owner, in index order."""
+    out: list[Op] = []
+
+    def walk(ops: list[Op]) -> None:
+      for op in ops:
+        out.append(op)
+        for region in op.regions:
+          walk(region.ops)
+
+    walk(self.ops)
+    return out
+
+
+def source_line(eqn: Any) -> str:
+  """``file:line:col (function)`` of the user's code, the file relative to the working dir."""
+  text = source_info_util.summarize(eqn.source_info)
+  path, sep, rest = text.partition(":")
+  if sep and os.path.isabs(path):
+    rel = os.path.relpath(path)
+    path = rel if not rel.startswith("..") else os.path.basename(path)
+  return path + sep + rest
+
+
+class _Builder:
+  def __init__(self) -> None:
+    self.counter = itertools.count()
+    self.consts: list[Value] = []
+
+  def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None) -> Region:
+    """Builds a region from a closed jaxpr; with ``inputs`` its invars are bound to those atoms."""
+    jaxpr, consts = _open(closed)
+    env: dict[Any, Atom] = {}
+    for var, c in zip(jaxpr.constvars, consts):
+      env[var] = self._const(var, c)
+    region_inputs = tuple(Value(v.aval) for v in jaxpr.invars)
+    for var, atom in zip(jaxpr.invars, inputs if inputs is not None else region_inputs):
+      env[var] = atom
+    ops: list[Op] = []
+    self._eqns(jaxpr.eqns, env, ops)
+    return Region(region_inputs, ops, tuple(_read(env, v) for v in jaxpr.outvars))
+
+  def _const(self, var: Any, array: Any) -> Value:
+    value = Value(var.aval, const=array)
+    self.consts.append(value)
+    return value
+
+  def _eqns(self, eqns: list, env: dict, ops: list[Op]) -> None:
+    for eqn in eqns:
+      inputs = tuple(_read(env, v) for v in eqn.invars)
+      name = eqn.primitive.name
+      if name in INLINED_CALLS and INLINED_CALLS[name] in eqn.params:
+        body = eqn.params[INLINED_CALLS[name]]
+        inner_inputs = inputs[len(inputs) - len(_open(body)[0].invars):]
+        inlined = self.region(body, inner_inputs)
+        ops.extend(inlined.ops)
+        for var, atom in zip(eqn.outvars, inlined.outputs):
+          env[var] = atom
+        continue
+      outputs = tuple(Value(v.aval) for v in eqn.outvars)
+      op = Op(next(self.counter), name, dict(eqn.params), inputs, outputs, source_line(eqn), eqn)
+      ops.append(op)
+      if name in REGION_PARAMS:
+        closed = [c for p in REGION_PARAMS[name] for c in _as_list(eqn.params[p])]
+        op.regions = tuple(self.region(c) for c in closed)
+      for var, value in zip(eqn.outvars, outputs):
+        env[var] = value
+
+
+def _open(closed: Any) -> tuple[Any, list]:
+  if isinstance(closed, jcore.ClosedJaxpr):
+    return closed.jaxpr, list(closed.consts)
+  return closed, []  # remat/checkpoint carry an open jaxpr without consts
+
+
+def _as_list(x: Any) -> list:
+  return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _read(env: dict, var: Any) -> Atom:
+  if isinstance(var, jcore.Literal):
+    return Literal(var.val, var.aval)
+  return env[var]
+
+
+def build_program(closed: jcore.ClosedJaxpr) -> Program:
+  """Builds the program of a traced function, inlining calls and numbering ops depth-first."""
+  builder = _Builder()
+  top = builder.region(closed)
+  program = Program(top.inputs, top.ops, top.outputs, ())
+  for index, op in enumerate(program.all_ops()):
+    op.index = index
+  program.consts = tuple(builder.consts)
+  return program

@@ -1,0 +1,49 @@
+"""backend="xla": ``jax.jit`` of the program with our propagated sharding as a constraint on
+every intermediate, so XLA's SPMD partitioner inserts the communication."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from spmd.partition.ir import Atom, Literal, Op, Value
+from spmd.partition.planner import Analysis
+
+# Identity ops whose request is already part of the propagated shardings.
+_ANNOTATIONS = ("spmd_annotate", "sharding_constraint")
+
+
+def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
+  program, shardings = analysis.program, analysis.propagation.shardings
+
+  def named(s) -> NamedSharding:
+    return NamedSharding(mesh, s.to_spec())
+
+  def run(ops: list[Op], env: dict[Value, Any]) -> None:
+    for op in ops:
+      args = [_read(env, x) for x in op.inputs]
+      if op.primitive in _ANNOTATIONS:
+        outs = args[:1]
+      else:
+        outs = op.eqn.primitive.bind(*args, **op.params)
+        outs = outs if op.eqn.primitive.multiple_results else [outs]
+      for v, out in zip(op.outputs, outs):
+        env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
+
+  def body(*flat_args: Any) -> tuple[Any, ...]:
+    env: dict[Value, Any] = {c: c.const for c in program.consts}
+    env.update(zip(program.inputs, flat_args))
+    run(program.ops, env)
+    return tuple(_read(env, x) for x in program.outputs)
+
+  return jax.jit(body, in_shardings=tuple(named(s) for s in analysis.input_shardings),
+                 out_shardings=tuple(named(s) for s in analysis.output_shardings),
+                 donate_argnums=tuple(donate_argnums))
+
+
+def _read(env: dict[Value, Any], x: Atom) -> Any:
+  if isinstance(x, Literal):
+    return jnp.asarray(x.val, dtype=x.aval.dtype)
+  return env[x]

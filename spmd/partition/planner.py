@@ -1,0 +1,208 @@
+"""From a program and its boundary specs to shardings, executions and the public Plan."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from spmd.partition.annotation import annotation_spec
+from spmd.partition.execution import Execution, plan_execution
+from spmd.partition.ir import Op, Program, Value
+from spmd.partition.propagate import Origin, Propagation, Seed, propagate
+from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.rules.factors import FactorKind
+from spmd.partition.sharding import MeshShape, TensorSharding
+from jax.tree_util import tree_unflatten
+
+from spmd.plan import Collective, Plan, PlanRow
+
+
+@dataclass(frozen=True)
+class Boundary:
+  """Specs at the program boundary: one entry per flat input / output (None = open)."""
+
+  inputs: tuple[TensorSharding | None, ...]
+  input_names: tuple[str, ...]
+  outputs: tuple[TensorSharding | None, ...]
+
+
+@dataclass
+class Analysis:
+  program: Program
+  propagation: Propagation
+  executions: list[Execution]
+  input_shardings: tuple[TensorSharding, ...]
+  output_shardings: tuple[TensorSharding, ...]
+  output_steps: tuple[tuple[ReshardStep, ...], ...]
+  plan: Plan
+
+
+def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: str, name: str,
+            in_tree: Any, out_tree: Any, even_boundary: bool) -> Analysis:
+  """``even_boundary``: open inputs/outputs only get shardings that divide their dims."""
+  seeds = _seeds(program, boundary, mesh)
+  prop = propagate(program, seeds, mesh)
+  executions = [plan_execution(c, prop.shardings, mesh) for c in prop.constraints]
+  fit = (lambda s, shape: _even(s, shape, mesh)) if even_boundary else (lambda s, shape: s)
+  inputs = tuple(fit(prop.shardings[v], v.shape) for v in program.inputs)
+  outputs, output_steps = [], []
+  for k, (atom, spec) in enumerate(zip(program.outputs, boundary.outputs)):
+    held = prop.shardings[atom] if isinstance(atom, Value) else TensorSharding.replicated(
+        len(atom.aval.shape))
+    want = spec if spec is not None else fit(held, atom.aval.shape)
+    outputs.append(want)
+    steps = () if not isinstance(atom, Value) or held == want else plan_reshard(
+        held, want, atom.shape, atom.dtype.itemsize, mesh)
+    output_steps.append(steps)
+  plan = _plan(program, prop, executions, inputs, tuple(outputs), tuple(output_steps), boundary,
+               mesh, backend, name, in_tree, out_tree)
+  return Analysis(program, prop, executions, inputs, tuple(outputs), tuple(output_steps), plan)
+
+
+def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
+  dims = []
+  for d, axes in enumerate(s.dims):
+    while axes and shape[d] % math.prod(mesh[a] for a in axes):
+      axes = axes[:-1]
+    dims.append(axes)
+  return s.with_dims(dims)
+
+
+def _seeds(program: Program, boundary: Boundary, mesh: MeshShape) -> dict[Value, Seed]:
+  seeds: dict[Value, Seed] = {}
+  for k, (v, s) in enumerate(zip(program.inputs, boundary.inputs)):
+    if s is not None:
+      seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", _input_text(k, boundary)))
+  for op in program.all_ops():
+    spec = annotation_spec(op)
+    if spec is None:
+      continue
+    out = op.outputs[0]
+    what = f"annotation at {op.source}"
+    sharding = TensorSharding.from_spec(spec[0], len(out.shape), mesh, what=what)
+    closed = frozenset(range(sharding.rank)) - spec[1]
+    seeds[out] = Seed(sharding, closed, Origin("annotation", what))
+  for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):
+    if s is not None and isinstance(atom, Value) and atom not in seeds:
+      seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"))
+  return seeds
+
+
+def _input_text(k: int, boundary: Boundary) -> str:
+  return f"input {k} ({boundary.input_names[k]})"
+
+
+def _plan(program: Program, prop: Propagation, executions: list[Execution],
+          inputs: tuple[TensorSharding, ...], outputs: tuple[TensorSharding, ...], output_steps: tuple[tuple[ReshardStep, ...], ...],
+          boundary: Boundary, mesh: MeshShape, backend: str, name: str, in_tree: Any,
+          out_tree: Any) -> Plan:
+  producers = _producers(program, boundary)
+  by_op: dict[int, list[Collective]] = {}
+  warnings: list[str] = []
+  for ex in executions:
+    op = ex.constraint.op
+    for side, pos, step in ex.steps():
+      if step.communicates:
+        v = (ex.constraint.operands if side == "operand" else ex.constraint.results)[pos]
+        by_op.setdefault(op.index, []).append(_collective(step, op, f"{side} {pos}", v))
+    warnings.extend(_whole_dim_warnings(ex))
+  rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
+          for op, depth in _ops_with_depth(program)]
+  boundary_collectives = []
+  for k, steps in enumerate(output_steps):
+    atom = program.outputs[k]
+    cols = tuple(_collective(s, None, f"output {k}", atom) for s in steps if s.communicates)
+    if cols:
+      boundary_collectives.extend(cols)
+      rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(atom),),
+                          (str(outputs[k]),), (f"out_specs[{k}]",), cols))
+  collectives = [c for r in rows for c in r.collectives]
+  for op in prop.unsupported:
+    warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule: it runs "
+                    "replicated, its operands gathered whole")
+  for conflict in prop.conflicts:
+    cost = sum(c.bytes for c in by_op.get(conflict.op.index, []))
+    warnings.append(
+        f"conflicting shardings at op {conflict.op.index} ({conflict.op.primitive}, "
+        f"{conflict.op.source}): kept {conflict.kept} from {_origin_text(conflict.kept_from, producers)}, "
+        f"dropped {conflict.dropped} from {_origin_text(conflict.dropped_from, producers)}; "
+        f"the reshard costs {cost} bytes per device")
+  in_specs = tree_unflatten(in_tree, [s.to_spec() for s in inputs])
+  out_specs = tree_unflatten(out_tree, [s.to_spec() for s in outputs])
+  return Plan(dict(mesh), backend, tuple(rows), tuple(collectives),
+              tuple(dict.fromkeys(warnings)), in_specs, out_specs, name)
+
+
+def _collective(step: ReshardStep, op: Op | None, tensor: str, atom: Any) -> Collective:
+  return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
+                    "output" if op is None else op.primitive,
+                    "out_specs" if op is None else op.source, tensor, _shape(atom),
+                    str(step.before), str(step.after))
+
+
+def _whole_dim_warnings(ex: Execution) -> list[str]:
+  """An op that needs a sharded dim whole (sort axis, windowed dim without halo, no rule)."""
+  c, rule = ex.constraint, ex.constraint.rule
+  out = []
+  for k, (steps, tf) in enumerate(zip(ex.operand_steps, rule.operands)):
+    gathers = [s for s in steps if s.kind == "all-gather"]
+    if not gathers or tf is None:
+      continue
+    for s in gathers:
+      factors = tf[s.dim] if s.dim is not None else ()
+      kinds = {rule.kinds[f] for f in factors}
+      if not factors or kinds & {FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION}:
+        out.append(f"op {c.op.index} ({c.op.primitive} at {c.op.source}) needs dim {s.dim} of "
+                   f"operand {k} whole: all-gather over {','.join(s.axes)} moves {s.bytes} bytes "
+                   "per device")
+  return out
+
+
+def _ops_with_depth(program: Program) -> list[tuple[Op, int]]:
+  out: list[tuple[Op, int]] = []
+
+  def walk(ops: list[Op], depth: int) -> None:
+    for op in ops:
+      out.append((op, depth))
+      for region in op.regions:
+        walk(region.ops, depth + 1)
+
+  walk(program.ops, 0)
+  return out
+
+
+def _producers(program: Program, boundary: Boundary) -> dict[Value, str]:
+  names: dict[Value, str] = {}
+  for k, v in enumerate(program.inputs):
+    names[v] = _input_text(k, boundary)
+  for v in program.consts:
+    names[v] = "a constant"
+  for op in program.all_ops():
+    for v in op.outputs:
+      names[v] = f"op {op.index}"
+    for region in op.regions:
+      for v in region.inputs:
+        names.setdefault(v, f"op {op.index} (body input)")
+  return names
+
+
+def _origin_text(origin: Origin, producers: dict[Value, str], owner: Op | None = None) -> str:
+  """``owner`` is the op that produces the value: a rule of another op means backward."""
+  if origin.kind != "propagated":
+    return origin.text
+  src = producers.get(origin.source, "?")
+  if owner is None or origin.via is owner:
+    return f"<- {src}"
+  return f"<- {src} (backward via op {origin.via.index})"
+
+
+def _row(op: Op, depth: int, prop: Propagation, producers: dict[Value, str],
+         collectives: Sequence[Collective]) -> PlanRow:
+  return PlanRow(op.index, op.primitive, op.source, depth, tuple(_shape(v) for v in op.outputs),
+                 tuple(str(prop.shardings[v]) for v in op.outputs),
+                 tuple(_origin_text(prop.origins[v], producers, op) for v in op.outputs),
+                 tuple(collectives))
+
+
+def _shape(atom: Any) -> str:
+  return atom.aval.str_short()

@@ -1,0 +1,95 @@
+"""scan / while / cond: their bodies are regions; *links* tie outer operands and results to the
+region's inputs and outputs (carries to a fixed point), each link an ordinary factor rule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from spmd.partition.ir import Atom, Op, Value
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+
+
+@dataclass(frozen=True)
+class Link:
+  """One rule over outer and region tensors; planned like an op whose operands flow to results."""
+
+  rule: OpShardingRule
+  operands: tuple[Atom, ...]
+  results: tuple[Atom, ...]
+
+
+LINKS: dict[str, Callable[[Op], list[Link]]] = {}
+
+
+def _links(name: str):
+  def deco(fn):
+    LINKS[name] = fn
+    return fn
+  return deco
+
+
+def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
+  """All tensors share one factor per dim (literals take no part)."""
+  shape = next((x.shape for x in (*operands, *results) if isinstance(x, Value)), ())
+  b = RuleBuilder()
+  dims = b.factors(shape)
+
+  def of(x: Atom) -> list | None:
+    return list(dims) if isinstance(x, Value) else None
+
+  return Link(b.build([of(x) for x in operands], [of(x) for x in results], pass_through=True),
+              tuple(operands), tuple(results))
+
+
+@_links("scan")
+def scan(op: Op) -> list[Link]:
+  nc, nk = op.params["num_consts"], op.params["num_carry"]
+  length = op.params["length"]
+  body = op.regions[0]
+  consts, init, xs = op.inputs[:nc], op.inputs[nc:nc + nk], op.inputs[nc + nk:]
+  links = [identity([c], [v]) for c, v in zip(consts, body.inputs[:nc])]
+  for j in range(nk):
+    links.append(identity([init[j], body.outputs[j]], [body.inputs[nc + j], op.outputs[j]]))
+  for x, v in zip(xs, body.inputs[nc + nk:]):
+    links.append(_stacked([x], [v], length, outer_side="operands"))
+  for y, r in zip(body.outputs[nk:], op.outputs[nk:]):
+    links.append(_stacked([y], [r], length, outer_side="results"))
+  return links
+
+
+@_links("while")
+def while_(op: Op) -> list[Link]:
+  cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+  cond, body = op.regions
+  links = [identity([c], [v]) for c, v in zip(op.inputs[:cn], cond.inputs[:cn])]
+  links += [identity([c], [v]) for c, v in zip(op.inputs[cn:cn + bn], body.inputs[:bn])]
+  for j, init in enumerate(op.inputs[cn + bn:]):
+    links.append(identity([init, body.outputs[j]],
+                          [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]]))
+  return links
+
+
+@_links("cond")
+def cond(op: Op) -> list[Link]:
+  branches = op.regions
+  links = [identity([x], [br.inputs[k] for br in branches]) for k, x in enumerate(op.inputs[1:])]
+  links += [identity([br.outputs[j] for br in branches], [r]) for j, r in enumerate(op.outputs)]
+  return links
+
+
+def _stacked(operands: Sequence[Atom], results: Sequence[Atom], length: int,
+             outer_side: str) -> Link:
+  """A scanned input (outer ``[L, ...]`` → per-iteration ``[...]``) or stacked output."""
+  inner = operands[0] if outer_side == "results" else results[0]
+  b = RuleBuilder()
+  shared = b.factors(inner.shape) if isinstance(inner, Value) else []
+  lead = b.factor(length, FactorKind.NEED_REPLICATION)
+
+  def dims(x: Atom, side: str) -> list | None:
+    if not isinstance(x, Value):
+      return None
+    return [lead] + shared if side == outer_side else list(shared)
+
+  return Link(b.build([dims(x, "operands") for x in operands],
+                      [dims(x, "results") for x in results], pass_through=True),
+              tuple(operands), tuple(results))

@@ -1,0 +1,52 @@
+"""conv_general_dilated: batch and output features pass, input features are a reduction,
+grouped convs split features into (group, per-group) factors, and spatial dims with a real
+window are permutation factors (halo exchange, or whole)."""
+from __future__ import annotations
+
+from spmd.partition.ir import Op
+from spmd.partition.rules import register
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+
+PERM, WHOLE, REDUCE = FactorKind.PERMUTATION, FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
+
+
+@register("conv_general_dilated")
+def conv_general_dilated(op: Op) -> OpShardingRule:
+  p = op.params
+  dn = p["dimension_numbers"]
+  lhs, rhs, out = op.inputs[0].aval.shape, op.inputs[1].aval.shape, op.outputs[0].shape
+  lhs_b, lhs_f, *lhs_sp = dn.lhs_spec
+  rhs_o, rhs_i, *rhs_sp = dn.rhs_spec
+  out_b, out_f, *out_sp = dn.out_spec
+  groups, batch_groups = p["feature_group_count"], p["batch_group_count"]
+  b = RuleBuilder()
+  lhs_dims: list = [None] * len(lhs)
+  rhs_dims: list = [None] * len(rhs)
+  out_dims: list = [None] * len(out)
+
+  cout_per_group = rhs[rhs_o] // (groups * batch_groups)
+  group = b.factor(groups * batch_groups)
+  co = b.factor(cout_per_group)
+  rhs_dims[rhs_o] = out_dims[out_f] = [group, co]
+  ci = b.factor(rhs[rhs_i], REDUCE)
+  rhs_dims[rhs_i] = [ci]
+  if batch_groups > 1:
+    nb = b.factor(out[out_b])
+    lhs_dims[lhs_b], out_dims[out_b] = [group, nb], [nb]
+    lhs_dims[lhs_f] = [ci]
+  else:
+    lhs_dims[lhs_b] = out_dims[out_b] = b.factor(lhs[lhs_b])
+    lhs_dims[lhs_f] = [group, ci]
+
+  strides, padding = p["window_strides"], p["padding"]
+  lhs_dil, rhs_dil = p["lhs_dilation"], p["rhs_dilation"]
+  for i, (ld, rd, od) in enumerate(zip(lhs_sp, rhs_sp, out_sp)):
+    trivial = (rhs[rd] == 1 and strides[i] == 1 and tuple(padding[i]) == (0, 0)
+               and lhs_dil[i] == 1)
+    if trivial:
+      lhs_dims[ld] = out_dims[od] = b.factor(lhs[ld])
+    else:
+      lhs_dims[ld] = b.factor(lhs[ld], PERM)
+      out_dims[od] = b.factor(out[od], WHOLE)
+      rhs_dims[rd] = b.factor(rhs[rd], WHOLE)
+  return b.build([lhs_dims, rhs_dims], [out_dims])

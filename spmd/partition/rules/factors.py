@@ -1,0 +1,78 @@
+"""OpShardingRule: every tensor dim of an op named by factors (Shardy style), plus factor kinds."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DimFactors = tuple[int, ...]          # factor ids of one dim, major to minor; () = never sharded
+TensorFactors = tuple[DimFactors, ...]
+
+
+class FactorKind(enum.Enum):
+  PASS = "pass"                          # same index space in operands and results
+  REDUCTION = "reduction"                # summed away: sharded → partial sums (psum)
+  NEED_REPLICATION = "need_replication"  # the op must see the whole factor (all-gather)
+  PERMUTATION = "permutation"            # elements move along it (halo exchange or all-gather)
+
+
+@dataclass(frozen=True)
+class OpShardingRule:
+  """Factors per dim of each operand and result; ``None`` marks a tensor that takes no part."""
+
+  operands: tuple[TensorFactors | None, ...]
+  results: tuple[TensorFactors | None, ...]
+  sizes: tuple[int, ...]
+  kinds: tuple[FactorKind, ...]
+  pass_through: bool = False  # propagated first (elementwise-like ops), as Shardy's op priority
+  combiner: str = "sum"       # how partial results of sharded reduction factors combine
+
+  @property
+  def num_factors(self) -> int:
+    return len(self.sizes)
+
+  def tensors(self) -> tuple[TensorFactors | None, ...]:
+    return self.operands + self.results
+
+  def result_factors(self) -> set[int]:
+    return {f for t in self.results if t for dim in t for f in dim}
+
+
+
+@dataclass
+class RuleBuilder:
+  """Creates factors and assembles the rule; factors of size 1 are dropped (never sharded)."""
+
+  sizes: list[int] = field(default_factory=list)
+  kinds: list[FactorKind] = field(default_factory=list)
+
+  def factor(self, size: int, kind: FactorKind = FactorKind.PASS) -> int | None:
+    if size == 1:
+      return None
+    self.sizes.append(int(size))
+    self.kinds.append(kind)
+    return len(self.sizes) - 1
+
+  def factors(self, sizes: Sequence[int], kind: FactorKind = FactorKind.PASS) -> list[int | None]:
+    return [self.factor(n, kind) for n in sizes]
+
+  def build(self, operands: Sequence[Sequence[object] | None],
+            results: Sequence[Sequence[object] | None], pass_through: bool = False,
+            combiner: str = "sum") -> OpShardingRule:
+    return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
+                          tuple(self.sizes), tuple(self.kinds), pass_through, combiner)
+
+
+def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:
+  """Each dim is a factor id, None (replicated), or a sequence of ids (a merged dim)."""
+  if dims is None:
+    return None
+  out = []
+  for d in dims:
+    if d is None:
+      out.append(())
+    elif isinstance(d, int):
+      out.append((d,))
+    else:
+      out.append(tuple(f for f in d if f is not None))
+  return tuple(out)

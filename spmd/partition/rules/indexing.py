@@ -1,0 +1,165 @@
+"""Slicing, padding, reversal, concatenation and gather/scatter.
+
+A dim the op moves elements along is a *permutation* factor on the operand (it must be whole, or
+exchanged with neighbours) and a factor computed whole on the result; untouched dims pass through.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from spmd.partition.ir import Op, Value
+from spmd.partition.rules import register
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+
+PERM, WHOLE, REDUCE = FactorKind.PERMUTATION, FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
+
+
+def _moved_dims(b: RuleBuilder, operands: Sequence[tuple[int, ...]], result: tuple[int, ...],
+                moved: set[int]) -> tuple[list[list], list]:
+  """Factors for ops whose ``moved`` dims change; other dims are shared by every tensor."""
+  shared = {d: b.factor(n) for d, n in enumerate(result) if d not in moved}
+  operand_dims = [[shared[d] if d in shared else b.factor(n, PERM) for d, n in enumerate(shape)]
+                  for shape in operands]
+  result_dims = [shared[d] if d in shared else b.factor(n, WHOLE) for d, n in enumerate(result)]
+  return operand_dims, result_dims
+
+
+@register("slice")
+def slice_(op: Op) -> OpShardingRule:
+  shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
+  moved = {d for d in range(len(shape)) if out[d] != shape[d]}
+  b = RuleBuilder()
+  (operand,), result = _moved_dims(b, [shape], out, moved)
+  return b.build([operand], [result], pass_through=not moved)
+
+
+@register("pad")
+def pad(op: Op) -> OpShardingRule:
+  shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
+  moved = {d for d, cfg in enumerate(op.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+  b = RuleBuilder()
+  (operand,), result = _moved_dims(b, [shape], out, moved)
+  return b.build([operand, None if not isinstance(op.inputs[1], Value) else []], [result])
+
+
+@register("rev")
+def rev(op: Op) -> OpShardingRule:
+  shape = op.inputs[0].aval.shape
+  b = RuleBuilder()
+  (operand,), result = _moved_dims(b, [shape], shape, set(op.params["dimensions"]))
+  return b.build([operand], [result])
+
+
+@register("concatenate")
+def concatenate(op: Op) -> OpShardingRule:
+  dim = op.params["dimension"]
+  b = RuleBuilder()
+  operands, result = _moved_dims(b, [x.aval.shape for x in op.inputs], op.outputs[0].shape, {dim})
+  return b.build(operands, [result])
+
+
+@register("split")
+def split(op: Op) -> OpShardingRule:
+  axis = op.params["axis"]
+  b = RuleBuilder()
+  shape = op.inputs[0].aval.shape
+  shared = {d: b.factor(n) for d, n in enumerate(shape) if d != axis}
+  operand = [shared.get(d) if d != axis else b.factor(n, PERM) for d, n in enumerate(shape)]
+  results = [[shared.get(d) if d != axis else b.factor(n, WHOLE) for d, n in enumerate(v.shape)]
+             for v in op.outputs]
+  return b.build([operand], results)
+
+
+@register("dynamic_slice")
+def dynamic_slice(op: Op) -> OpShardingRule:
+  shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
+  b = RuleBuilder()
+  (operand,), result = _moved_dims(b, [shape], out, {d for d in range(len(shape))
+                                                      if out[d] != shape[d]})
+  return b.build([operand] + [_scalar(x) for x in op.inputs[1:]], [result])
+
+
+@register("dynamic_update_slice")
+def dynamic_update_slice(op: Op) -> OpShardingRule:
+  """Operand and result share every dim; a partial-size update dim is written whole."""
+  shape, update = op.inputs[0].aval.shape, op.inputs[1].aval.shape
+  b = RuleBuilder()
+  operand = b.factors(shape)
+  update_dims = [f if update[d] == shape[d] else b.factor(update[d], WHOLE)
+                 for d, f in enumerate(operand)]
+  return b.build([operand, update_dims] + [_scalar(x) for x in op.inputs[2:]], [operand])
+
+
+@register("gather")
+def gather(op: Op) -> OpShardingRule:
+  """Offset dims pass to the result, index batch dims pass from the indices; an operand dim that
+  is indexed with slice size 1 is a reduction: each device gathers the rows it owns (others
+  masked to zero) and the partial results are summed."""
+  dn, sizes = op.params["dimension_numbers"], op.params["slice_sizes"]
+  operand, indices = op.inputs[0].aval.shape, op.inputs[1].aval.shape
+  out = op.outputs[0].shape
+  b = RuleBuilder()
+  operand_dims: list = [None] * len(operand)
+  index_dims: list = [None] * len(indices)
+  result: list = [None] * len(out)
+  batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
+  index_batch = list(range(len(indices) - 1))  # the last dim holds the index vector
+  for od, idim in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+    operand_dims[od] = index_dims[idim] = b.factor(operand[od])
+  for idim, rd in zip(index_batch, batch_out):
+    if index_dims[idim] is None:
+      index_dims[idim] = b.factor(indices[idim])
+    result[rd] = index_dims[idim]
+  offset_operand = [d for d in range(len(operand))
+                    if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+  for od, rd in zip(offset_operand, dn.offset_dims):
+    if sizes[od] == operand[od]:
+      operand_dims[od] = result[rd] = b.factor(operand[od])
+    else:
+      operand_dims[od] = b.factor(operand[od], PERM)
+      result[rd] = b.factor(out[rd], WHOLE)
+  for od in dn.collapsed_slice_dims:
+    indexed_row = sizes[od] == 1 and od in dn.start_index_map and _masked_reduction_ok(op)
+    operand_dims[od] = b.factor(operand[od], REDUCE if indexed_row else PERM)
+  return b.build([operand_dims, index_dims], [result])
+
+
+@register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+          "scatter_min", "scatter-max", "scatter_max")
+def scatter(op: Op) -> OpShardingRule:
+  """Operand and result share every dim (each device applies the updates that land in its part);
+  update window dims pass when whole; for scatter-add the scatter batch dims of updates and
+  indices are reductions (each device adds its part, the results are summed)."""
+  dn = op.params["dimension_numbers"]
+  operand, indices, updates = (x.aval.shape for x in op.inputs[:3])
+  b = RuleBuilder()
+  operand_dims = b.factors(operand)
+  update_dims: list = [None] * len(updates)
+  index_dims: list = [None] * len(indices)
+  window_operand = [d for d in range(len(operand))
+                    if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+  for od, ud in zip(window_operand, dn.update_window_dims):
+    if updates[ud] == operand[od]:
+      update_dims[ud] = operand_dims[od]
+    else:
+      update_dims[ud] = b.factor(updates[ud], WHOLE)
+  scatter_update = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+  batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
+  adds = op.primitive in ("scatter-add", "scatter_add")
+  for idim, ud in zip(range(len(indices) - 1), scatter_update):
+    if idim in batching:
+      f = operand_dims[batching[idim]]
+    else:
+      f = b.factor(indices[idim], REDUCE if adds else WHOLE)
+    index_dims[idim] = update_dims[ud] = f
+  rest = [None] * (len(op.inputs) - 3)
+  return b.build([operand_dims, index_dims, update_dims] + rest, [operand_dims])
+
+
+def _masked_reduction_ok(op: Op) -> bool:
+  """Masked partial gathers sum exactly only for numeric dtypes."""
+  return op.outputs[0].dtype.kind in "fciu"
+
+
+def _scalar(x: object) -> list | None:
+  return [] if isinstance(x, Value) else None

@@ -1,0 +1,27 @@
+"""sort and top_k: the sorted dim must be whole on each device; other dims pass through."""
+from __future__ import annotations
+
+from spmd.partition.ir import Op
+from spmd.partition.rules import register
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+
+
+@register("sort")
+def sort(op: Op) -> OpShardingRule:
+  shape = op.inputs[0].aval.shape
+  b = RuleBuilder()
+  dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["dimension"] else
+                   FactorKind.PASS) for d, n in enumerate(shape)]
+  return b.build([dims] * len(op.inputs), [dims] * len(op.outputs))
+
+
+@register("top_k")
+def top_k(op: Op) -> OpShardingRule:
+  shape = op.inputs[0].aval.shape
+  axis = op.params.get("axis", len(shape) - 1) % len(shape)
+  b = RuleBuilder()
+  operand = [b.factor(n, FactorKind.NEED_REPLICATION) if d == axis else b.factor(n)
+             for d, n in enumerate(shape)]
+  k_dim = b.factor(op.outputs[0].shape[axis], FactorKind.NEED_REPLICATION)
+  result = [k_dim if d == axis else f for d, f in enumerate(operand)]
+  return b.build([operand], [result] * len(op.outputs))

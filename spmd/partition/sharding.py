@@ -1,0 +1,97 @@
+"""TensorSharding: which mesh axes split each dimension of one array (pure data, no tracing)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from jax.sharding import PartitionSpec as P
+
+Axes = tuple[str, ...]
+MeshShape = Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class TensorSharding:
+  """Mesh axes per dimension (major to minor) and pending partial-sum axes.
+
+  ``dims[d] == ("data", "model")`` means dim ``d`` is split over ``data`` then, within each piece,
+  over ``model``. ``partial`` names axes over which the per-device values still have to be summed.
+  """
+
+  dims: tuple[Axes, ...]
+  partial: Axes = ()
+
+  @classmethod
+  def replicated(cls, rank: int) -> TensorSharding:
+    return cls(((),) * rank)
+
+  @classmethod
+  def from_spec(cls, spec: P, rank: int, mesh_shape: MeshShape, *, what: str = "spec") -> TensorSharding:
+    """Validates ``spec`` against the mesh and the array rank; ``what`` names it in errors."""
+    if not isinstance(spec, P):
+      raise TypeError(f"{what}: expected a jax.sharding.PartitionSpec or None, got {spec!r}")
+    entries = tuple(spec)
+    if len(entries) > rank:
+      raise ValueError(
+          f"{what}: {spec} has {len(entries)} entries but the array has rank {rank}")
+    dims: list[Axes] = []
+    seen: set[str] = set()
+    for entry in entries + (None,) * (rank - len(entries)):
+      axes = _entry_axes(entry, what, spec)
+      for axis in axes:
+        if axis not in mesh_shape:
+          raise ValueError(
+              f"{what}: {spec} names mesh axis {axis!r}, which is not in the mesh "
+              f"(axes: {', '.join(mesh_shape)})")
+        if axis in seen:
+          raise ValueError(f"{what}: {spec} uses mesh axis {axis!r} more than once")
+        seen.add(axis)
+      dims.append(axes)
+    return cls(tuple(dims))
+
+  @property
+  def rank(self) -> int:
+    return len(self.dims)
+
+  @property
+  def axes(self) -> Axes:
+    """Every mesh axis that tiles a dimension, in dimension order."""
+    return tuple(a for dim in self.dims for a in dim)
+
+  @property
+  def is_replicated(self) -> bool:
+    return not self.axes and not self.partial
+
+  def to_spec(self) -> P:
+    return P(*(None if not d else d[0] if len(d) == 1 else d for d in self.dims))
+
+  def shards(self, dim: int, mesh_shape: MeshShape) -> int:
+    return math.prod(mesh_shape[a] for a in self.dims[dim])
+
+  def local_shape(self, shape: Sequence[int], mesh_shape: MeshShape) -> tuple[int, ...]:
+    """Per-device shape; uneven dims round up (the last shards are padded)."""
+    return tuple(-(-n // self.shards(d, mesh_shape)) for d, n in enumerate(shape))
+
+  def divides(self, shape: Sequence[int], mesh_shape: MeshShape) -> bool:
+    return all(n % self.shards(d, mesh_shape) == 0 for d, n in enumerate(shape))
+
+  def with_dims(self, dims: Sequence[Axes]) -> TensorSharding:
+    return TensorSharding(tuple(tuple(d) for d in dims), self.partial)
+
+  def __str__(self) -> str:
+    text = "P(" + ", ".join(
+        "None" if not d else repr(d[0]) if len(d) == 1 else "(" + ", ".join(map(repr, d)) + ")"
+        for d in self.dims) + ")"
+    return text + (f" partial{list(self.partial)}" if self.partial else "")
+
+
+def _entry_axes(entry: object, what: str, spec: P) -> Axes:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+    return entry
+  raise TypeError(f"{what}: {spec} has entry {entry!r}; entries are None, a mesh axis name "
+                  "or a tuple of names")
