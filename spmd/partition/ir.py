@@ -24,6 +24,8 @@ INLINED_CALLS = {
 REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
 
 _ids = itertools.count()
+# Frames inside spmd.partition (e.g. spmd.annotate) are not the user's source line.
+source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(eq=False)
@@ -175,11 +177,26 @@ def _read(env: dict, var: Any) -> Atom:
   return env[var]
 
 
+def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
+  """Drops ops whose results nothing uses (XLA deletes them too); effectful ops stay."""
+  live = {a for a in outputs if isinstance(a, Value)}
+  kept: list[Op] = []
+  for op in reversed(ops):
+    if not op.eqn.effects and not any(v in live for v in op.outputs):
+      continue
+    for region in op.regions:
+      region.ops = _prune(region.ops, region.outputs)
+    live.update(a for a in op.inputs if isinstance(a, Value))
+    kept.append(op)
+  return kept[::-1]
+
+
 def build_program(closed: jcore.ClosedJaxpr) -> Program:
-  """Builds the program of a traced function, inlining calls and numbering ops depth-first."""
+  """Builds the program of a traced function: calls inlined, dead ops dropped, ops numbered
+  depth-first."""
   builder = _Builder()
   top = builder.region(closed)
-  program = Program(top.inputs, top.ops, top.outputs, ())
+  program = Program(top.inputs, _prune(top.ops, top.outputs), top.outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
   program.consts = tuple(builder.consts)
