@@ -109,6 +109,8 @@ class Program:
 def source_line(eqn: Any) -> str:
   """``file:line:col (function)`` of the user's code, the file relative to the working dir."""
   text = source_info_util.summarize(eqn.source_info)
+  if text.startswith("unknown"):
+    return ""
   path, sep, rest = text.partition(":")
   if sep and os.path.isabs(path):
     rel = os.path.relpath(path)
@@ -121,8 +123,10 @@ class _Builder:
     self.counter = itertools.count()
     self.consts: list[Value] = []
 
-  def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None) -> Region:
-    """Builds a region from a closed jaxpr; with ``inputs`` its invars are bound to those atoms."""
+  def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None,
+             call_site: str = "") -> Region:
+    """Builds a region from a closed jaxpr; with ``inputs`` its invars are bound to those atoms.
+    Ops with no user frame of their own (inside library functions) take ``call_site``."""
     jaxpr, consts = _open(closed)
     env: dict[Any, Atom] = {}
     for var, c in zip(jaxpr.constvars, consts):
@@ -131,7 +135,7 @@ class _Builder:
     for var, atom in zip(jaxpr.invars, inputs if inputs is not None else region_inputs):
       env[var] = atom
     ops: list[Op] = []
-    self._eqns(jaxpr.eqns, env, ops)
+    self._eqns(jaxpr.eqns, env, ops, call_site)
     return Region(region_inputs, ops, tuple(_read(env, v) for v in jaxpr.outvars))
 
   def _const(self, var: Any, array: Any) -> Value:
@@ -139,24 +143,25 @@ class _Builder:
     self.consts.append(value)
     return value
 
-  def _eqns(self, eqns: list, env: dict, ops: list[Op]) -> None:
+  def _eqns(self, eqns: list, env: dict, ops: list[Op], call_site: str) -> None:
     for eqn in eqns:
       inputs = tuple(_read(env, v) for v in eqn.invars)
       name = eqn.primitive.name
+      source = source_line(eqn) or call_site
       if name in INLINED_CALLS and INLINED_CALLS[name] in eqn.params:
         body = eqn.params[INLINED_CALLS[name]]
         inner_inputs = inputs[len(inputs) - len(_open(body)[0].invars):]
-        inlined = self.region(body, inner_inputs)
+        inlined = self.region(body, inner_inputs, source)
         ops.extend(inlined.ops)
         for var, atom in zip(eqn.outvars, inlined.outputs):
           env[var] = atom
         continue
       outputs = tuple(Value(v.aval) for v in eqn.outvars)
-      op = Op(next(self.counter), name, dict(eqn.params), inputs, outputs, source_line(eqn), eqn)
+      op = Op(next(self.counter), name, dict(eqn.params), inputs, outputs, source, eqn)
       ops.append(op)
       if name in REGION_PARAMS:
         closed = [c for p in REGION_PARAMS[name] for c in _as_list(eqn.params[p])]
-        op.regions = tuple(self.region(c) for c in closed)
+        op.regions = tuple(self.region(c, call_site=source) for c in closed)
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
 

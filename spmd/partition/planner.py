@@ -105,7 +105,8 @@ def _plan(program: Program, prop: Propagation, executions: list[Execution],
       if step.communicates:
         v = (ex.constraint.operands if side == "operand" else ex.constraint.results)[pos]
         by_op.setdefault(op.index, []).append(_collective(step, op, f"{side} {pos}", v))
-    warnings.extend(_whole_dim_warnings(ex))
+    if op not in prop.unsupported:
+      warnings.extend(_whole_dim_warnings(ex))
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
           for op, depth in _ops_with_depth(program)]
   boundary_collectives = []

@@ -1,0 +1,262 @@
+"""The public contract of spmd.partition, spmd.annotate, spmd.make_mesh and Plan."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmd
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return spmd.make_mesh({"data": 2, "model": 4})
+
+
+def f(x, w):
+  h = spmd.annotate(x @ w, P("data", "model"))
+  return jnp.tanh(h).sum(0)
+
+
+X = jnp.linspace(-1, 1, 8 * 16, dtype=jnp.float32).reshape(8, 16)
+W = jnp.linspace(-1, 1, 16 * 32, dtype=jnp.float32).reshape(16, 32)
+
+
+def test_decorator_and_function_forms_agree(mesh):
+  specs = (P("data", None), P(None, "model"))
+  decorated = spmd.partition(mesh=mesh, in_specs=specs)(f)
+  called = spmd.partition(f, mesh=mesh, in_specs=specs)
+  np.testing.assert_allclose(decorated(X, W), f(X, W), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(called(X, W), decorated(X, W))
+  assert decorated.__name__ == "f"
+
+
+def test_make_mesh_has_auto_axes_and_chosen_devices():
+  mesh = spmd.make_mesh({"a": 2, "b": 2}, devices=jax.devices()[4:])
+  assert mesh.shape == {"a": 2, "b": 2}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  assert [d.id for d in mesh.devices.flat] == [4, 5, 6, 7]
+  with pytest.raises(ValueError, match="needs 16 devices"):
+    spmd.make_mesh({"a": 16})
+
+
+def test_outputs_are_global_arrays_with_the_inferred_sharding(mesh):
+  g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
+  out = g(X, W)
+  assert g.plan(X, W).out_specs == P("model")
+  assert out.sharding == NamedSharding(mesh, P("model"))
+
+
+def test_out_specs_given(mesh):
+  g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")), out_specs=P())
+  out = g(X, W)
+  assert out.sharding.is_fully_replicated
+  assert g.plan(X, W).out_specs == P(None)
+  np.testing.assert_allclose(out, f(X, W), rtol=1e-5, atol=1e-5)
+
+
+def test_out_specs_prefix_of_output_pytree(mesh):
+  def two(x):
+    return {"a": x * 2, "b": (x + 1, x.sum(1))}
+
+  g = spmd.partition(two, mesh=mesh, in_specs=P("data"), out_specs={"a": P(None, "model"),
+                                                                    "b": P("data")})
+  out = g(X)
+  assert out["a"].sharding.spec == P(None, "model")
+  assert out["b"][0].sharding.spec == P("data", None)
+  assert out["b"][1].sharding.spec == P("data")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, two(X))
+
+
+def test_in_specs_none_takes_shardings_of_arrays_on_the_mesh(mesh):
+  x = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
+  g = spmd.partition(lambda x, y: x * 2 + y, mesh=mesh)
+  plan = g.plan(x, X)
+  assert plan.in_specs == (P(None, "model"), P(None, "model"))  # y is open: it follows x
+  assert "input 0" in plan.explain()
+  np.testing.assert_allclose(g(x, X), X * 3)
+
+
+def test_open_inputs_stay_open(mesh):
+  g = spmd.partition(lambda x, w: x @ w, mesh=mesh, in_specs=(P("data", None), None))
+  assert g.plan(X, W).in_specs == (P("data", None), P(None, None))
+
+
+def test_annotate_is_identity_outside_partition():
+  def h(x):
+    return jnp.sin(spmd.annotate(x, P("data", None))) * 2
+
+  np.testing.assert_allclose(jax.jit(h)(X), jnp.sin(X) * 2, rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda x: h(x).sum())(X), jnp.cos(X) * 2, rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(h)(X[None]), jnp.sin(X[None]) * 2, rtol=1e-6)
+  assert h(X).shape == X.shape
+
+
+def test_annotate_validates_its_spec():
+  with pytest.raises(TypeError, match="PartitionSpec"):
+    spmd.annotate(X, ("data",))
+  with pytest.raises(ValueError, match="rank 2"):
+    spmd.annotate(X, P("a", "b", "c"))
+
+
+def test_with_sharding_constraint_is_honoured(mesh):
+  def h(x, w):
+    y = jax.lax.with_sharding_constraint(x @ w, P(None, "model"))
+    z = jax.lax.with_sharding_constraint(jnp.exp(y), NamedSharding(mesh, P("data", None)))
+    return z
+
+  g = spmd.partition(h, mesh=mesh, in_specs=(P(), P()))
+  plan = g.plan(X, W)
+  specs = {r.primitive: r.specs[0] for r in plan.rows}
+  assert [r.specs[0] for r in plan.rows if r.primitive == "sharding_constraint"] == [
+      "P(None, 'model')", "P('data', None)"]
+  assert specs["exp"] == "P('data', 'model')"  # compatible with both annotations: the finest
+  assert [(c.kind, c.axes) for c in plan.collectives] == [("all-gather", ("model",))]
+  np.testing.assert_allclose(g(X, W), jnp.exp(X @ W), rtol=1e-5)
+
+
+def test_unconstrained_dims_stay_open(mesh):
+  def h(x):
+    return spmd.annotate(x * 2, P(P.UNCONSTRAINED, "model")) + 1
+
+  plan = spmd.partition(h, mesh=mesh, in_specs=P("data", None)).plan(X)
+  assert plan.rows[1].specs[0] == "P('data', 'model')"
+
+
+def test_conflicting_annotations_are_reported_with_their_cost(mesh):
+  def h(x):
+    y = spmd.annotate(x + 1, P("model", None))
+    return y * x
+
+  g = spmd.partition(h, mesh=mesh, in_specs=P("data", None))
+  plan = g.plan(X)
+  conflicts = [w for w in plan.warnings if "conflicting shardings" in w]
+  assert conflicts and "('data',)" in conflicts[0] and "('model',)" in conflicts[0]
+  assert "bytes per device" in conflicts[0]
+  np.testing.assert_allclose(g(X), (X + 1) * X, rtol=1e-6)
+
+
+def test_primitive_without_rule_runs_replicated_and_is_reported(mesh):
+  def h(a):
+    return jnp.linalg.cholesky(a @ a.T + 16 * jnp.eye(8))
+
+  g = spmd.partition(h, mesh=mesh, in_specs=P("data", None))
+  plan = g.plan(X)
+  assert any("cholesky" in w and "no sharding rule" in w and "test_api.py" in w
+             for w in plan.warnings)
+  np.testing.assert_allclose(g(X), h(X), rtol=1e-5, atol=1e-5)
+
+
+def test_calls_are_cached_per_avals_and_specs(mesh):
+  traces = []
+
+  def h(x):
+    traces.append(x.shape)
+    return x * 2
+
+  g = spmd.partition(h, mesh=mesh, in_specs=P("data"))
+  g(X)
+  g(X + 1)
+  g.plan(X)
+  assert len(traces) == 1
+  g(jnp.ones((4, 16)))
+  assert len(traces) == 2
+
+
+def test_static_argnums_and_keyword_arguments(mesh):
+  def h(x, power, scale):
+    return x ** power * scale
+
+  g = spmd.partition(h, mesh=mesh, in_specs=(P("data"), None), static_argnums=1)
+  np.testing.assert_allclose(g(X, 3, 2.0), X ** 3 * 2, rtol=1e-5)
+  np.testing.assert_allclose(g(X, 2, scale=1.0), X ** 2, rtol=1e-5)
+  with pytest.raises(TypeError, match="hashable"):
+    g(X, [2], 1.0)
+
+
+def test_arguments_are_not_modified_unless_donated(mesh):
+  x = jax.device_put(X, NamedSharding(mesh, P("data")))
+  g = spmd.partition(lambda x: x + 1, mesh=mesh, in_specs=P("data"))
+  g(x)
+  np.testing.assert_array_equal(x, X)
+  donating = spmd.partition(lambda x: x + 1, mesh=mesh, in_specs=P("data"), donate_argnums=0)
+  donating(x)
+  assert x.is_deleted()
+
+
+@pytest.mark.parametrize("spec, match", [
+    (P("nope"), "mesh axis 'nope', which is not in the mesh"),
+    (P("data", "data"), "uses mesh axis 'data' more than once"),
+    (P(("model", "model")), "uses mesh axis 'model' more than once"),
+    (P("data", None, None), "has 3 entries but the array has rank 2"),
+    (P(3), "entries are None, a mesh axis name"),
+])
+def test_bad_specs_name_the_argument(mesh, spec, match):
+  g = spmd.partition(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), spec))
+  with pytest.raises((ValueError, TypeError), match=match) as info:
+    g(X, W)
+  assert "argument 'w'" in str(info.value)
+
+
+def test_bad_out_specs(mesh):
+  g = spmd.partition(lambda x: x * 2, mesh=mesh, out_specs=P("nope"))
+  with pytest.raises(ValueError, match="out_specs for output.*'nope'"):
+    g(X)
+  g = spmd.partition(lambda x: (x, x), mesh=mesh, out_specs=(P(), P(), P()))
+  with pytest.raises(ValueError, match="out_specs .* does not match the structure of the outputs"):
+    g(X)
+
+
+def test_in_specs_structure_must_match(mesh):
+  g = spmd.partition(lambda x, w: x @ w, mesh=mesh, in_specs=(P(),))
+  with pytest.raises(ValueError, match="in_specs .* does not match the structure of the arguments"):
+    g(X, W)
+  g = spmd.partition(lambda p: p["a"], mesh=mesh, in_specs=({"b": P()},))
+  with pytest.raises(ValueError, match="does not match"):
+    g({"a": X})
+  g = spmd.partition(lambda x: x, mesh=mesh, in_specs=("data",))
+  with pytest.raises(TypeError, match="PartitionSpec or None"):
+    g(X)
+
+
+def test_annotation_with_unknown_axis(mesh):
+  g = spmd.partition(lambda x: spmd.annotate(x, P("rows")), mesh=mesh)
+  with pytest.raises(ValueError, match="annotation at .*test_api.py.*'rows'"):
+    g(X)
+
+
+def test_non_array_arguments_are_rejected(mesh):
+  g = spmd.partition(lambda x, s: x, mesh=mesh)
+  with pytest.raises(TypeError, match="argument 's' is a str, not an array"):
+    g(X, "hello")
+  g = spmd.partition(lambda p: p["x"], mesh=mesh)
+  with pytest.raises(TypeError, match=r"argument 'p'\['f'\] is a builtin_function_or_method, not"):
+    g({"x": X, "f": len})
+
+
+def test_mesh_and_backend_are_checked():
+  with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    spmd.partition(f, mesh={"data": 2})
+  with pytest.raises(ValueError, match="backend"):
+    spmd.partition(f, mesh=spmd.make_mesh({"data": 2}), backend="magic")
+
+
+def test_uneven_boundary_is_a_clear_error_for_the_xla_backend(mesh):
+  g = spmd.partition(lambda x: x * 2, mesh=mesh, in_specs=P("model"))
+  with pytest.raises(ValueError, match="dim 0 of size 6 does not split evenly into 4 shards"):
+    g(jnp.ones((6,)))
+
+
+def test_lower_returns_a_jax_lowered(mesh):
+  g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
+  lowered = g.lower(X, W)
+  assert isinstance(lowered, jax.stages.Lowered)
+  assert "all-reduce" in lowered.compile().as_text()
+
+
+def test_plan_accepts_abstract_values(mesh):
+  g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
+  plan = g.plan(jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 32),
+                                                                                  jnp.float32))
+  assert plan.out_specs == P("model")
