@@ -108,3 +108,39 @@ def test_collective_records_name_op_and_source(mesh):
   (c,) = plan.collectives
   assert (c.kind, c.axes, c.bytes, c.primitive) == ("all-reduce", ("data",), 4, "reduce_sum")
   assert c.op == plan.rows[0].index and "test_plan.py" in c.source
+
+
+def _rnn(x, w):
+  def body(h, xt):
+    h = jnp.tanh(h @ w + xt)
+    return h, h.sum()
+  return jax.lax.scan(body, jnp.zeros((x.shape[1],)), x)
+
+
+def _loop(x, w):
+  return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w) + i, x)
+
+
+def _branch(x, w):
+  return jax.lax.cond(x.sum() > 0, lambda a: a @ w, lambda a: -a, x)
+
+
+@pytest.mark.parametrize("fn, specs, expected", [
+    (_rnn, (P(None, "model"), P(None, "model")), [("all-gather", 64), ("all-reduce", 4)]),
+    (_loop, (P("data", None), P(None, "model")), [("all-gather", 256)]),
+    (_branch, (P("data", None), P()), [("all-reduce", 4)]),
+], ids=["scan", "fori_loop", "cond"])
+def test_control_flow_plans_match_hlo_and_xla(mesh, fn, specs, expected):
+  """An axis wanted by both the contraction and the result: gathering the small carry beats
+  all-to-all of the weight plus reduce-scatter of the product."""
+  x = jnp.linspace(-1, 1, 8 * 16).reshape(8, 16)
+  w = jnp.linspace(-1, 1, 16 * 16).reshape(16, 16) / 4
+  f = spmd.partition(fn, mesh=mesh, in_specs=specs)
+  plan = f.plan(x, w)
+  assert sorted((c.kind, c.bytes) for c in plan.collectives) == expected
+  assert plan.total_bytes == collective_bytes(f.lower(x, w).compile().as_text())
+  named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
+                                    is_leaf=lambda s: isinstance(s, P))
+  xla = jax.jit(fn, in_shardings=named(specs), out_shardings=named(plan.out_specs))
+  assert plan.total_bytes <= collective_bytes(xla.lower(x, w).compile().as_text())
+  _close(f(x, w), fn(x, w))

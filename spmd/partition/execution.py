@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from spmd.partition.propagate import Constraint, project
+from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -35,14 +35,23 @@ class Execution:
 
 def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding],
                    mesh: MeshShape) -> Execution:
+  """When an axis is wanted by a reduction factor and a result factor, both choices are priced
+  (reduce-scatter the partial result vs gather the operands) and the cheaper one is taken."""
+  options = [_execute(c, axes, shardings, mesh)
+             for axes in dict.fromkeys(_factor_axes(c, shardings, mesh, reductions_first)
+                                       for reductions_first in (True, False))]
+  return min(options, key=lambda ex: sum(s.bytes for _, _, s in ex.steps()))
+
+
+def _execute(c: Constraint, axes: tuple[Axes, ...], shardings: Mapping[Value, TensorSharding],
+             mesh: MeshShape) -> Execution:
   rule = c.rule
-  axes = _factor_axes(c, shardings, mesh)
-  needs = tuple(None if v is None or tf is None else _sharding(tf, axes, rule, mesh)
+  needs = tuple(None if v is None or tf is None else _sharding(tf, axes)
                 for v, tf in zip(c.operands, rule.operands))
   partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                   for a in axes[f])
   produces = tuple(None if v is None or tf is None else
-                   TensorSharding(_sharding(tf, axes, rule, mesh).dims, partial)
+                   TensorSharding(_sharding(tf, axes).dims, partial)
                    for v, tf in zip(c.results, rule.results))
   operand_steps = tuple(() if need is None else _steps(shardings[v], need, v, mesh)
                         for v, need in zip(c.operands, needs))
@@ -58,8 +67,8 @@ def _steps(src: TensorSharding, dst: TensorSharding, v: Value,
   return plan_reshard(src, dst, v.shape, v.dtype.itemsize, mesh)
 
 
-def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding],
-                 mesh: MeshShape) -> tuple[Axes, ...]:
+def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
+                 reductions_first: bool) -> tuple[Axes, ...]:
   rule = c.rule
   from_results = _projections(c.results, rule.results, shardings, rule, mesh)
   from_operands = _projections(c.operands, rule.operands, shardings, rule, mesh)
@@ -71,18 +80,14 @@ def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding],
       chosen[f] = from_results[f][0][1]
     elif f in from_operands:
       chosen[f] = _agreed(from_operands[f])
-  # Reduction factors keep the operands' layout; result factors yield a clashing axis.
-  order = sorted(chosen, key=lambda f: (rule.kinds[f] is not FactorKind.REDUCTION, f))
+  # A clashing axis goes to the factors that come first: reductions or result factors.
+  order = sorted(chosen, key=lambda f: ((rule.kinds[f] is FactorKind.REDUCTION)
+                                        != reductions_first, f))
   used: set[str] = set()
   final = [()] * rule.num_factors
   for f in order:
-    keep: list[str] = []
-    for a in chosen[f]:
-      if a in used:
-        break
-      keep.append(a)
-    used.update(keep)
-    final[f] = tuple(keep)
+    final[f] = prefix_without(chosen[f], used)
+    used.update(final[f])
   _drop_inexpressible(final, rule, mesh)
   return tuple(final)
 
@@ -118,6 +123,5 @@ def _drop_inexpressible(axes: list[Axes], rule: OpShardingRule, mesh: MeshShape)
           axes[minor] = ()
 
 
-def _sharding(tf: TensorFactors, axes: tuple[Axes, ...] | list[Axes], rule: OpShardingRule,
-              mesh: MeshShape) -> TensorSharding:
+def _sharding(tf: TensorFactors, axes: tuple[Axes, ...]) -> TensorSharding:
   return TensorSharding(tuple(tuple(a for f in factors for a in axes[f]) for factors in tf))

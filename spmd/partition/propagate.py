@@ -177,7 +177,7 @@ class _Engine:
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
     for _, f, axes, best in sorted(chosen, key=lambda t: (t[0], t[1])):
-      keep = _prefix_without(axes, used)
+      keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
     return merged
@@ -202,7 +202,7 @@ class _Engine:
       if len(new) <= len(old) or tuple(new[:len(old)]) != old:
         continue
       used = {a for i, dim in enumerate(dims) if i != d for a in dim} | set(old)
-      added = _prefix_without(tuple(new[len(old):]), used)
+      added = prefix_without(tuple(new[len(old):]), used)
       grown = old + added
       while added and math.prod(self.mesh[a] for a in grown) > v.shape[d]:
         grown, added = grown[:-1], added[:-1]
@@ -234,7 +234,7 @@ def project(factors: tuple[int, ...], axes: Axes, sizes: tuple[int, ...],
   return out
 
 
-def _prefix_without(axes: Axes, used: set[str]) -> Axes:
+def prefix_without(axes: Axes, used: set[str]) -> Axes:
   out: list[str] = []
   for a in axes:
     if a in used or a in out:
