@@ -1,70 +1,71 @@
-"""How each op runs on local shards: the axes of every factor, what its operands must be
-resharded to first, and the (possibly partial-sum) results it produces.
+"""How each op runs on local shards: the axes of every factor, the sharding each operand must
+have, and the (possibly partial-sum) sharding of each result.
 
-For every constraint (op or control-flow link): factors that reach a result take the result's
-propagated axes; reduction factors keep the operands' axes (their results become partial sums,
-reduced afterwards); need-replication and permutation factors are whole on every device.
+Factors that reach a result take the result's propagated axes; reduction factors keep the
+operands' axes (their results become partial sums); need-replication and permutation factors
+are whole on every device. When a mesh axis is wanted by a reduction factor and a result factor,
+both choices are priced (gather the operands vs reduce-scatter the partial result) and the
+cheaper one is taken.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
+from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
-from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.reshard import plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
-from spmd.partition.ir import Value
+
+Price = Callable[[Value, TensorSharding], int]  # bytes to make a value available as a sharding
 
 
 @dataclass(frozen=True)
 class Execution:
   constraint: Constraint
   factor_axes: tuple[Axes, ...]
-  needs: tuple[TensorSharding | None, ...]        # per operand: the sharding the op runs on
-  produces: tuple[TensorSharding | None, ...]     # per result: local results (maybe partial)
-  operand_steps: tuple[tuple[ReshardStep, ...], ...]
-  result_steps: tuple[tuple[ReshardStep, ...], ...]
+  needs: tuple[TensorSharding | None, ...]      # per operand: the sharding the op runs on
+  produces: tuple[TensorSharding | None, ...]   # per result: local results (maybe partial)
 
-  def steps(self) -> list[tuple[str, int, ReshardStep]]:
-    """Every reshard step as (``"operand"``/``"result"``, tensor position, step)."""
-    out = [("operand", i, s) for i, steps in enumerate(self.operand_steps) for s in steps]
-    return out + [("result", i, s) for i, steps in enumerate(self.result_steps) for s in steps]
-
-
-def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding],
-                   mesh: MeshShape) -> Execution:
-  """When an axis is wanted by a reduction factor and a result factor, both choices are priced
-  (reduce-scatter the partial result vs gather the operands) and the cheaper one is taken."""
-  options = [_execute(c, axes, shardings, mesh)
-             for axes in dict.fromkeys(_factor_axes(c, shardings, mesh, reductions_first)
-                                       for reductions_first in (True, False))]
-  return min(options, key=lambda ex: sum(s.bytes for _, _, s in ex.steps()))
+  @property
+  def partial_axes(self) -> Axes:
+    """Axes of the sharded reduction factors: results are partial over these."""
+    rule = self.constraint.rule
+    return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
+                 for a in self.factor_axes[f])
 
 
-def _execute(c: Constraint, axes: tuple[Axes, ...], shardings: Mapping[Value, TensorSharding],
-             mesh: MeshShape) -> Execution:
+def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
+                   price: Price) -> Execution:
+  options = [_execute(c, axes) for axes in dict.fromkeys(
+      _factor_axes(c, shardings, mesh, reductions_first) for reductions_first in (True, False))]
+  if len(options) == 1:
+    return options[0]
+
+  def cost(ex: Execution) -> int:
+    moved = sum(price(v, need) for v, need in zip(c.operands, ex.needs) if need is not None)
+    for v, made in zip(c.results, ex.produces):
+      if made is not None and made != shardings[v]:
+        moved += sum(s.bytes for s in plan_reshard(made, shardings[v], v.shape,
+                                                    v.dtype.itemsize, mesh))
+    return moved
+
+  return min(options, key=cost)
+
+
+def _execute(c: Constraint, axes: tuple[Axes, ...]) -> Execution:
   rule = c.rule
   needs = tuple(None if v is None or tf is None else _sharding(tf, axes)
                 for v, tf in zip(c.operands, rule.operands))
   partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                   for a in axes[f])
   produces = tuple(None if v is None or tf is None else
-                   TensorSharding(_sharding(tf, axes).dims, partial)
+                   TensorSharding(_sharding(tf, axes).dims, partial,
+                                  rule.combiner if partial else "sum")
                    for v, tf in zip(c.results, rule.results))
-  operand_steps = tuple(() if need is None else _steps(shardings[v], need, v, mesh)
-                        for v, need in zip(c.operands, needs))
-  result_steps = tuple(() if made is None else _steps(made, shardings[v], v, mesh)
-                       for v, made in zip(c.results, produces))
-  return Execution(c, axes, needs, produces, operand_steps, result_steps)
-
-
-def _steps(src: TensorSharding, dst: TensorSharding, v: Value,
-           mesh: MeshShape) -> tuple[ReshardStep, ...]:
-  if src == dst:
-    return ()
-  return plan_reshard(src, dst, v.shape, v.dtype.itemsize, mesh)
+  return Execution(c, axes, needs, produces)
 
 
 def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
@@ -84,7 +85,7 @@ def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh:
   order = sorted(chosen, key=lambda f: ((rule.kinds[f] is FactorKind.REDUCTION)
                                         != reductions_first, f))
   used: set[str] = set()
-  final = [()] * rule.num_factors
+  final: list[Axes] = [()] * rule.num_factors
   for f in order:
     final[f] = prefix_without(chosen[f], used)
     used.update(final[f])
@@ -123,5 +124,5 @@ def _drop_inexpressible(axes: list[Axes], rule: OpShardingRule, mesh: MeshShape)
           axes[minor] = ()
 
 
-def _sharding(tf: TensorFactors, axes: tuple[Axes, ...]) -> TensorSharding:
+def _sharding(tf: TensorFactors, axes: tuple[Axes, ...] | list[Axes]) -> TensorSharding:
   return TensorSharding(tuple(tuple(a for f in factors for a in axes[f]) for factors in tf))

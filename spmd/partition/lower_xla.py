@@ -38,8 +38,8 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
     run(program.ops, env)
     return tuple(_read(env, x) for x in program.outputs)
 
-  return jax.jit(body, in_shardings=tuple(named(s) for s in analysis.input_shardings),
-                 out_shardings=tuple(named(s) for s in analysis.output_shardings),
+  return jax.jit(body, in_shardings=tuple(named(s) for s in analysis.schedule.inputs),
+                 out_shardings=tuple(named(s) for s in analysis.schedule.outputs),
                  donate_argnums=tuple(donate_argnums))
 
 

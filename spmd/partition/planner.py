@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from spmd.partition.annotation import annotation_spec
-from spmd.partition.execution import Execution, plan_execution
 from spmd.partition.ir import Op, Program, Value
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
-from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.reshard import ReshardStep
+from spmd.partition.schedule import Schedule, ScheduledOp, Transfer, schedule
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.sharding import MeshShape, TensorSharding
 from jax.tree_util import tree_unflatten
@@ -30,10 +30,7 @@ class Boundary:
 class Analysis:
   program: Program
   propagation: Propagation
-  executions: list[Execution]
-  input_shardings: tuple[TensorSharding, ...]
-  output_shardings: tuple[TensorSharding, ...]
-  output_steps: tuple[tuple[ReshardStep, ...], ...]
+  schedule: Schedule
   plan: Plan
 
 
@@ -42,21 +39,16 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: s
   """``even_boundary``: open inputs/outputs only get shardings that divide their dims."""
   seeds = _seeds(program, boundary, mesh)
   prop = propagate(program, seeds, mesh)
-  executions = [plan_execution(c, prop.shardings, mesh) for c in prop.constraints]
   fit = (lambda s, shape: _even(s, shape, mesh)) if even_boundary else (lambda s, shape: s)
   inputs = tuple(fit(prop.shardings[v], v.shape) for v in program.inputs)
-  outputs, output_steps = [], []
-  for k, (atom, spec) in enumerate(zip(program.outputs, boundary.outputs)):
+  outputs = []
+  for atom, spec in zip(program.outputs, boundary.outputs):
     held = prop.shardings[atom] if isinstance(atom, Value) else TensorSharding.replicated(
         len(atom.aval.shape))
-    want = spec if spec is not None else fit(held, atom.aval.shape)
-    outputs.append(want)
-    steps = () if not isinstance(atom, Value) or held == want else plan_reshard(
-        held, want, atom.shape, atom.dtype.itemsize, mesh)
-    output_steps.append(steps)
-  plan = _plan(program, prop, executions, inputs, tuple(outputs), tuple(output_steps), boundary,
-               mesh, backend, name, in_tree, out_tree)
-  return Analysis(program, prop, executions, inputs, tuple(outputs), tuple(output_steps), plan)
+    outputs.append(spec if spec is not None else fit(held, atom.aval.shape))
+  sched = schedule(program, prop.constraints, prop.shardings, inputs, tuple(outputs), mesh)
+  plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree)
+  return Analysis(program, prop, sched, plan)
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
@@ -92,31 +84,25 @@ def _input_text(k: int, boundary: Boundary) -> str:
   return f"input {k} ({boundary.input_names[k]})"
 
 
-def _plan(program: Program, prop: Propagation, executions: list[Execution],
-          inputs: tuple[TensorSharding, ...], outputs: tuple[TensorSharding, ...], output_steps: tuple[tuple[ReshardStep, ...], ...],
-          boundary: Boundary, mesh: MeshShape, backend: str, name: str, in_tree: Any,
-          out_tree: Any) -> Plan:
+def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Boundary,
+          mesh: MeshShape, backend: str, name: str, in_tree: Any, out_tree: Any) -> Plan:
   producers = _producers(program, boundary)
   by_op: dict[int, list[Collective]] = {}
   warnings: list[str] = []
-  for ex in executions:
-    op = ex.constraint.op
-    for side, pos, step in ex.steps():
-      if step.communicates:
-        v = (ex.constraint.operands if side == "operand" else ex.constraint.results)[pos]
-        by_op.setdefault(op.index, []).append(_collective(step, op, f"{side} {pos}", v))
-    if op not in prop.unsupported:
-      warnings.extend(_whole_dim_warnings(ex))
+  for s in sched.walk():
+    transfers = s.transfers + [t for r in s.regions for t in r.exit]
+    by_op[s.op.index] = [_collective(step, s.op, t) for t in transfers for step in t.steps
+                         if step.communicates]
+    if s.execution is not None and s.op not in prop.unsupported:
+      warnings.extend(_whole_dim_warnings(s))
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
           for op, depth in _ops_with_depth(program)]
-  boundary_collectives = []
-  for k, steps in enumerate(output_steps):
-    atom = program.outputs[k]
-    cols = tuple(_collective(s, None, f"output {k}", atom) for s in steps if s.communicates)
+  for k, atom in enumerate(program.outputs):
+    cols = tuple(_collective(step, None, t) for t in sched.exit if t.tensor == f"output {k}"
+                 for step in t.steps if step.communicates)
     if cols:
-      boundary_collectives.extend(cols)
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(atom),),
-                          (str(outputs[k]),), (f"out_specs[{k}]",), cols))
+                          (str(sched.outputs[k]),), (f"out_specs[{k}]",), cols))
   collectives = [c for r in rows for c in r.collectives]
   for op in prop.unsupported:
     warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule: it runs "
@@ -125,37 +111,39 @@ def _plan(program: Program, prop: Propagation, executions: list[Execution],
     cost = sum(c.bytes for c in by_op.get(conflict.op.index, []))
     warnings.append(
         f"conflicting shardings at op {conflict.op.index} ({conflict.op.primitive}, "
-        f"{conflict.op.source}): kept {conflict.kept} from {_origin_text(conflict.kept_from, producers)}, "
-        f"dropped {conflict.dropped} from {_origin_text(conflict.dropped_from, producers)}; "
-        f"the reshard costs {cost} bytes per device")
-  in_specs = tree_unflatten(in_tree, [s.to_spec() for s in inputs])
-  out_specs = tree_unflatten(out_tree, [s.to_spec() for s in outputs])
+        f"{conflict.op.source}): kept {conflict.kept} from "
+        f"{_origin_text(conflict.kept_from, producers)}, dropped {conflict.dropped} from "
+        f"{_origin_text(conflict.dropped_from, producers)}; the reshard costs {cost} bytes per "
+        "device")
+  in_specs = tree_unflatten(in_tree, [s.to_spec() for s in sched.inputs])
+  out_specs = tree_unflatten(out_tree, [s.to_spec() for s in sched.outputs])
   return Plan(dict(mesh), backend, tuple(rows), tuple(collectives),
               tuple(dict.fromkeys(warnings)), in_specs, out_specs, name)
 
 
-def _collective(step: ReshardStep, op: Op | None, tensor: str, atom: Any) -> Collective:
+def _collective(step: ReshardStep, op: Op | None, t: Transfer) -> Collective:
   return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
                     "output" if op is None else op.primitive,
-                    "out_specs" if op is None else op.source, tensor, _shape(atom),
+                    "out_specs" if op is None else op.source, t.tensor, _shape(t.value),
                     str(step.before), str(step.after))
 
 
-def _whole_dim_warnings(ex: Execution) -> list[str]:
-  """An op that needs a sharded dim whole (sort axis, windowed dim without halo, no rule)."""
-  c, rule = ex.constraint, ex.constraint.rule
+def _whole_dim_warnings(s: ScheduledOp) -> list[str]:
+  """An op that needs a sharded dim whole (sort axis, windowed dim without halo)."""
+  rule, op = s.execution.constraint.rule, s.op
   out = []
-  for k, (steps, tf) in enumerate(zip(ex.operand_steps, rule.operands)):
-    gathers = [s for s in steps if s.kind == "all-gather"]
-    if not gathers or tf is None:
-      continue
-    for s in gathers:
-      factors = tf[s.dim] if s.dim is not None else ()
-      kinds = {rule.kinds[f] for f in factors}
-      if not factors or kinds & {FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION}:
-        out.append(f"op {c.op.index} ({c.op.primitive} at {c.op.source}) needs dim {s.dim} of "
-                   f"operand {k} whole: all-gather over {','.join(s.axes)} moves {s.bytes} bytes "
-                   "per device")
+  for t in s.transfers:
+    k = int(t.tensor.split()[-1])
+    tf = rule.operands[k]
+    for step in t.steps:
+      if step.kind != "all-gather" or tf is None or step.dim is None:
+        continue
+      factors = tf[step.dim]
+      if not factors or {rule.kinds[f] for f in factors} & {FactorKind.NEED_REPLICATION,
+                                                           FactorKind.PERMUTATION}:
+        out.append(f"op {op.index} ({op.primitive} at {op.source}) needs dim {step.dim} of "
+                   f"operand {k} whole: all-gather over {','.join(step.axes)} moves "
+                   f"{step.bytes} bytes per device")
   return out
 
 

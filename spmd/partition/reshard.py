@@ -49,8 +49,8 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   target = [list(d) for d in dst.dims]
 
   def cur() -> TensorSharding:
-    return TensorSharding(tuple(tuple(d) for d in dims), tuple(a for a in src.partial
-                                                             if a in partial or a in dst.partial))
+    left = tuple(a for a in src.partial if a in partial or a in dst.partial)
+    return TensorSharding(tuple(tuple(d) for d in dims), left, src.partial_op if left else "sum")
 
   def nbytes(s: TensorSharding) -> int:
     return local_bytes(s, shape, itemsize, mesh)
@@ -63,7 +63,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     steps.append(ReshardStep(kind, tuple(axes), before, after, moved, dim, dst_dim))
 
   # 1. Partial sums: reduce-scatter into the dim that wants the axis next, else all-reduce.
-  for a in list(partial):
+  for a in list(partial) if src.partial_op == "sum" else ():
     for d, want in enumerate(target):
       if len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d] and want[len(dims[d])] == a:
         emit("reduce-scatter", [a], lambda a=a, d=d: (partial.remove(a), dims[d].append(a)), d)

@@ -16,11 +16,13 @@ class TensorSharding:
   """Mesh axes per dimension (major to minor) and pending partial-sum axes.
 
   ``dims[d] == ("data", "model")`` means dim ``d`` is split over ``data`` then, within each piece,
-  over ``model``. ``partial`` names axes over which the per-device values still have to be summed.
+  over ``model``. ``partial`` names axes over which the per-device values still have to be
+  combined with ``partial_op`` (``"sum"``, ``"max"`` or ``"min"``).
   """
 
   dims: tuple[Axes, ...]
   partial: Axes = ()
+  partial_op: str = "sum"
 
   @classmethod
   def replicated(cls, rank: int) -> TensorSharding:
@@ -77,13 +79,15 @@ class TensorSharding:
     return all(n % self.shards(d, mesh_shape) == 0 for d, n in enumerate(shape))
 
   def with_dims(self, dims: Sequence[Axes]) -> TensorSharding:
-    return TensorSharding(tuple(tuple(d) for d in dims), self.partial)
+    return TensorSharding(tuple(tuple(d) for d in dims), self.partial, self.partial_op)
 
   def __str__(self) -> str:
     text = "P(" + ", ".join(
         "None" if not d else repr(d[0]) if len(d) == 1 else "(" + ", ".join(map(repr, d)) + ")"
         for d in self.dims) + ")"
-    return text + (f" partial{list(self.partial)}" if self.partial else "")
+    if not self.partial:
+      return text
+    return text + f" partial-{self.partial_op}({', '.join(self.partial)})"
 
 
 def _entry_axes(entry: object, what: str, spec: P) -> Axes:

@@ -4,10 +4,14 @@ Importing this package registers every rule family; ``rule_for`` is the engine's
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
+
+import jax.numpy as jnp
 
 from spmd.partition.ir import Op
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+from spmd.partition.rules.linear import linearity
 
 RuleFn = Callable[[Op], OpShardingRule]
 RULES: dict[str, RuleFn] = {}
@@ -33,7 +37,9 @@ def rule_for(op: Op) -> tuple[OpShardingRule, bool]:
   fn = RULES.get(op.primitive)
   if fn is None:
     return replicated_rule(op), False
-  return fn(op), True
+  floats = all(jnp.issubdtype(x.aval.dtype, jnp.inexact) for x in (*op.inputs, *op.outputs))
+  linear_in, additive = linearity(op.primitive, len(op.inputs), floats)
+  return dataclasses.replace(fn(op), linear_in=linear_in, additive=additive), True
 
 
 def _is_literal(x: object) -> bool:

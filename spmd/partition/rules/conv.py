@@ -39,7 +39,7 @@ def conv_general_dilated(op: Op) -> OpShardingRule:
     lhs_dims[lhs_f] = [group, ci]
 
   strides, padding = p["window_strides"], p["padding"]
-  lhs_dil, rhs_dil = p["lhs_dilation"], p["rhs_dilation"]
+  lhs_dil = p["lhs_dilation"]
   for i, (ld, rd, od) in enumerate(zip(lhs_sp, rhs_sp, out_sp)):
     trivial = (rhs[rd] == 1 and strides[i] == 1 and tuple(padding[i]) == (0, 0)
                and lhs_dil[i] == 1)

@@ -26,6 +26,8 @@ class OpShardingRule:
   kinds: tuple[FactorKind, ...]
   pass_through: bool = False  # propagated first (elementwise-like ops), as Shardy's op priority
   combiner: str = "sum"       # how partial results of sharded reduction factors combine
+  linear_in: tuple[int, ...] = ()  # operands a pending partial sum may flow through (rules/linear)
+  additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
 
   @property
   def num_factors(self) -> int:

@@ -1,0 +1,260 @@
+"""The work of every device in order: which reshards run before each op, which form (sharding)
+of each value an op reads, and which forms it writes.
+
+A value can exist in several forms at once (produced partial, then reduced, then sliced): a
+consumer reuses an existing form or reshards from the cheapest one, so a value is gathered or
+reduced once however many ops read it. A pending partial sum flows through ops that are linear in
+it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot followed by
+an add of another partial sum needs one psum, not two; a psum whose consumer shards the summed
+axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from spmd.partition.execution import Execution, plan_execution
+from spmd.partition.ir import Op, Program, Region, Value
+from spmd.partition.propagate import Constraint
+from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+
+
+@dataclass(frozen=True)
+class Transfer:
+  """Makes ``value`` available as ``dst`` from its existing form ``src``."""
+
+  value: Value
+  src: TensorSharding
+  dst: TensorSharding
+  steps: tuple[ReshardStep, ...]
+  tensor: str  # what moves, for the plan: "operand 1", "carry 0", "output 2"
+
+
+@dataclass(eq=False)
+class RegionSchedule:
+  inputs: tuple[TensorSharding, ...]             # forms the region's inputs arrive in
+  ops: list[ScheduledOp]
+  exit: list[Transfer]                           # run at the end of the region
+  outputs: tuple[TensorSharding, ...]            # forms of the outputs handed back
+
+
+@dataclass(eq=False)
+class ScheduledOp:
+  op: Op
+  transfers: list[Transfer]                      # run before the op
+  reads: tuple[TensorSharding | None, ...]       # per input (None: a literal)
+  writes: tuple[TensorSharding, ...]             # per output
+  execution: Execution | None = None             # None for control flow
+  regions: tuple[RegionSchedule, ...] = ()
+
+
+@dataclass(eq=False)
+class Schedule:
+  inputs: tuple[TensorSharding, ...]
+  ops: list[ScheduledOp]
+  exit: list[Transfer]
+  outputs: tuple[TensorSharding, ...]
+
+  def walk(self) -> list[ScheduledOp]:
+    out: list[ScheduledOp] = []
+
+    def visit(ops: list[ScheduledOp]) -> None:
+      for s in ops:
+        out.append(s)
+        for r in s.regions:
+          visit(r.ops)
+
+    visit(self.ops)
+    return out
+
+
+class _Scheduler:
+  def __init__(self, program: Program, constraints: list[Constraint],
+               shardings: Mapping[Value, TensorSharding], mesh: MeshShape):
+    self.shardings, self.mesh = shardings, mesh
+    self.by_op: dict[int, list[Constraint]] = {}
+    for c in constraints:
+      self.by_op.setdefault(c.op.index, []).append(c)
+    self.partial_ok = _partial_ok(program, self.by_op)
+    self.forms: dict[Value, list[TensorSharding]] = {}
+    self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
+
+  # --- forms ------------------------------------------------------------------------------------
+
+  def steps(self, v: Value, src: TensorSharding, dst: TensorSharding) -> tuple[ReshardStep, ...]:
+    key = (src, dst, v.shape, v.dtype.itemsize)
+    if key not in self._steps:
+      self._steps[key] = plan_reshard(src, dst, v.shape, v.dtype.itemsize, self.mesh)
+    return self._steps[key]
+
+  def _best(self, v: Value, dst: TensorSharding) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
+    options = [(s, self.steps(v, s, dst)) for s in self.forms[v]]
+    return min(options, key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
+
+  def price(self, v: Value, dst: TensorSharding) -> int:
+    if dst in self.forms.get(v, ()):
+      return 0
+    return sum(s.bytes for s in self._best(v, dst)[1])
+
+  def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], tensor: str) -> None:
+    if dst in self.forms[v]:
+      return
+    src, steps = self._best(v, dst)
+    out.append(Transfer(v, src, dst, steps, tensor))
+    self.forms[v].append(dst)
+
+  # --- ops --------------------------------------------------------------------------------------
+
+  def region(self, region: Region, inputs: tuple[TensorSharding, ...]) -> list[ScheduledOp]:
+    for v, s in zip(region.inputs, inputs):
+      self.forms[v] = [s]
+    return [self.op(op) for op in region.ops]
+
+  def op(self, op: Op) -> ScheduledOp:
+    constraints = self.by_op[op.index]
+    if op.regions:
+      return self.control(op, constraints)
+    (c,) = constraints
+    ex = plan_execution(c, self.shardings, self.mesh, self.price)
+    reads, writes = list(ex.needs), list(ex.produces)
+    deferred = self._deferrable(op, ex)
+    if deferred:
+      positions, axes = deferred
+      for k in positions:
+        reads[k] = replace(reads[k], partial=axes, partial_op="sum")
+      writes = [replace(w, partial=tuple(sorted(set(w.partial) | set(axes), key=self._order)),
+                        partial_op="sum") for w in writes]
+    transfers: list[Transfer] = []
+    for k, (x, need) in enumerate(zip(op.inputs, reads)):
+      if isinstance(x, Value) and need is not None:
+        self.acquire(x, need, transfers, f"operand {k}")
+    for v, w in zip(op.outputs, writes):
+      self.forms[v] = [w]
+    return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex)
+
+  def _order(self, axis: str) -> int:
+    return list(self.mesh).index(axis)
+
+  def _deferrable(self, op: Op, ex: Execution) -> tuple[tuple[int, ...], Axes] | None:
+    """Operands whose pending partial sum can flow through ``op``, and the summed axes."""
+    rule = ex.constraint.rule
+    if not rule.linear_in or (ex.partial_axes and rule.combiner != "sum"):
+      return None
+    found: dict[int, Axes] = {}
+    for k in rule.linear_in:
+      x, need = op.inputs[k], ex.needs[k]
+      if not isinstance(x, Value) or need is None or not self.partial_ok.get(x, False):
+        continue
+      for form in self.forms[x]:
+        if form.partial and form.partial_op == "sum" and form.dims == need.dims:
+          found[k] = form.partial
+          break
+    if rule.additive:
+      if len(found) != len(rule.linear_in) or len(set(found.values())) != 1:
+        return None
+      positions = tuple(found)
+    else:
+      if not found:
+        return None
+      positions = (next(iter(found)),)
+    axes = found[positions[0]]
+    used = {a for f in ex.factor_axes for a in f}
+    if used & set(axes):
+      return None
+    result_bytes = sum(_local_bytes(v, w, self.mesh) for v, w in zip(op.outputs, ex.produces))
+    operand_bytes = sum(_local_bytes(op.inputs[k], ex.needs[k], self.mesh) for k in positions)
+    return (positions, axes) if result_bytes <= operand_bytes else None
+
+  def control(self, op: Op, constraints: list[Constraint]) -> ScheduledOp:
+    """Outer operands enter in the form their link needs; region outputs leave in the form their
+    link needs (resharded inside the region); region inputs and results take the link's form."""
+    execs = [plan_execution(c, self.shardings, self.mesh, self.price) for c in constraints]
+    reads: list[TensorSharding | None] = [None] * len(op.inputs)
+    writes: list[TensorSharding | None] = [None] * len(op.outputs)
+    exits: list[list[TensorSharding | None]] = [[None] * len(r.outputs) for r in op.regions]
+    inputs: list[list[TensorSharding | None]] = [[None] * len(r.inputs) for r in op.regions]
+    for ex in execs:
+      for v, need in zip(ex.constraint.operands, ex.needs):
+        if v is None:
+          continue
+        if not _assign(op.inputs, reads, v, need):
+          for r, region in enumerate(op.regions):
+            if _assign(region.outputs, exits[r], v, need):
+              break
+      for v, made in zip(ex.constraint.results, ex.produces):
+        if v is None:
+          continue
+        if not _assign(op.outputs, writes, v, made):
+          for r, region in enumerate(op.regions):
+            if _assign(region.inputs, inputs[r], v, made):
+              break
+    transfers: list[Transfer] = []
+    for k, (x, need) in enumerate(zip(op.inputs, reads)):
+      if isinstance(x, Value):
+        reads[k] = need or self.shardings[x]
+        self.acquire(x, reads[k], transfers, f"operand {k}")
+    regions = []
+    for r, region in enumerate(op.regions):
+      arrive = tuple(s or self.shardings[v] for s, v in zip(inputs[r], region.inputs))
+      ops = self.region(region, arrive)
+      exit_transfers: list[Transfer] = []
+      leave = []
+      for j, (x, need) in enumerate(zip(region.outputs, exits[r])):
+        need = need or TensorSharding.replicated(len(x.aval.shape))
+        if isinstance(x, Value):
+          self.acquire(x, need, exit_transfers, f"region {r} output {j}")
+        leave.append(need)
+      regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave)))
+    final = tuple(w or self.shardings[v] for w, v in zip(writes, op.outputs))
+    for v, w in zip(op.outputs, final):
+      self.forms[v] = [w]
+    return ScheduledOp(op, transfers, tuple(reads), final, None, tuple(regions))
+
+
+def _partial_ok(program: Program, by_op: dict[int, list[Constraint]]) -> dict[Value, bool]:
+  """Values every consumer of which can read a pending partial sum: only for those does letting
+  the sum flow save a reduction (one consumer that needs it whole reduces it anyway)."""
+  ok: dict[Value, bool] = {}
+  for op in program.all_ops():
+    linear = by_op[op.index][0].rule.linear_in if not op.regions else ()
+    for k, x in enumerate(op.inputs):
+      if isinstance(x, Value):
+        ok[x] = ok.get(x, True) and k in linear
+    for region in op.regions:
+      for x in region.outputs:
+        if isinstance(x, Value):
+          ok[x] = False
+  for x in program.outputs:
+    if isinstance(x, Value):
+      ok[x] = False
+  return ok
+
+
+def _assign(atoms, slots: list, v: Value, sharding: TensorSharding) -> bool:
+  """Puts ``sharding`` in the first empty slot whose atom is ``v``."""
+  for k, atom in enumerate(atoms):
+    if atom is v and slots[k] is None:
+      slots[k] = sharding
+      return True
+  return any(atom is v for atom in atoms)
+
+
+def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
+  return math.prod(s.local_shape(x.shape, mesh)) * x.dtype.itemsize
+
+
+def schedule(program: Program, constraints: list[Constraint],
+             shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
+             outputs: tuple[TensorSharding, ...], mesh: MeshShape) -> Schedule:
+  s = _Scheduler(program, constraints, shardings, mesh)
+  for v in program.consts:
+    s.forms[v] = [TensorSharding.replicated(len(v.shape))]
+  ops = s.region(Region(program.inputs, program.ops, program.outputs), inputs)
+  exit_transfers: list[Transfer] = []
+  for k, (x, want) in enumerate(zip(program.outputs, outputs)):
+    if isinstance(x, Value):
+      s.acquire(x, want, exit_transfers, f"output {k}")
+  return Schedule(inputs, ops, exit_transfers, outputs)
+
