@@ -15,23 +15,28 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from spmd.mesh import mesh_shape
 from spmd.partition.ir import build_program
+from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.planner import Analysis, Boundary, analyze
 from spmd.partition.sharding import TensorSharding
 from spmd.plan import Plan
 
-BACKENDS = ("xla",)
+BACKENDS = ("spmd", "xla")
 
 
 def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
               out_specs: Any = None, static_argnums: int | Sequence[int] = (),
-              donate_argnums: int | Sequence[int] = (), backend: str = "xla") -> Any:
+              donate_argnums: int | Sequence[int] = (), backend: str = "spmd") -> Any:
   """Partitions ``fun`` over ``mesh``: one SPMD program for every device.
 
   ``in_specs`` / ``out_specs`` are pytree prefixes of the (non-static) arguments / the outputs
   with ``PartitionSpec`` or ``None`` (open: propagation chooses) leaves. ``in_specs=None`` takes
   the ``NamedSharding`` of arguments already on ``mesh`` and leaves the rest open. Works as a
   decorator (``@partition(mesh=...)``) or a call (``partition(f, mesh=...)``).
+
+  ``backend="spmd"`` (default) emits one ``jax.jit(jax.shard_map(...))`` program in which every
+  collective is one spmd chose (the plan lists them exactly); ``backend="xla"`` jits the program
+  with the propagated shardings as constraints and lets XLA's partitioner communicate.
   """
   if fun is None:
     return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -134,7 +139,8 @@ class Partitioned:
                        name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
                        out_tree=out_tree, even_boundary=True)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
-    fn = lower_xla(analysis, self.mesh, donated)
+    lower = lower_spmd if self.backend == "spmd" else lower_xla
+    fn = lower(analysis, self.mesh, donated)
     return _Compiled(analysis, fn, out_tree)
 
   # --- specs -----------------------------------------------------------------------------------

@@ -1,0 +1,256 @@
+"""Per-primitive local lowering: how one op runs on a device's shards.
+
+The default re-binds the primitive on local arrays (elementwise ops, reductions over whole or
+partial dims, dot, sort, ...). Ops whose params carry shapes, whose values depend on the global
+position (iota, random bits), or whose sharded dims need masks (gather of owned rows, scatter
+into owned rows) have an entry in ``LOCAL``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
+
+from spmd.partition.ir import Op
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+
+
+@dataclass(frozen=True)
+class Local:
+  """One op as scheduled: what each input was read as and each output is written as."""
+
+  op: Op
+  reads: tuple[TensorSharding | None, ...]
+  writes: tuple[TensorSharding, ...]
+  partial_axes: Axes  # axes of the op's sharded reduction factors: its results are partial
+  mesh: MeshShape
+
+  def shape(self, x: Any, s: TensorSharding) -> tuple[int, ...]:
+    return s.local_shape(x.aval.shape, self.mesh)
+
+  def out_shape(self, k: int = 0) -> tuple[int, ...]:
+    return self.shape(self.op.outputs[k], self.writes[k])
+
+  def offset(self, s: TensorSharding, dim: int, local_size: int) -> jax.Array:
+    """Global index of this device's first element along ``dim``."""
+    return shard_index(s.dims[dim]) * local_size
+
+
+def shard_index(axes: Axes) -> jax.Array:
+  """This device's block along a dim split over ``axes`` (major to minor)."""
+  if not axes:
+    return jnp.int32(0)
+  return lax.axis_index(axes if len(axes) > 1 else axes[0])
+
+
+LocalFn = Callable[[Local, list], list]
+LOCAL: dict[str, LocalFn] = {}
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def _register(*names: str) -> Callable[[LocalFn], LocalFn]:
+  def deco(fn: LocalFn) -> LocalFn:
+    for name in names:
+      LOCAL[name] = fn
+    return fn
+  return deco
+
+
+def bind(op: Op, args: list, **overrides: Any) -> list:
+  params = {k: (None if k in _SHARDING_PARAMS else v) for k, v in op.params.items()}
+  params.update(overrides)
+  out = op.eqn.primitive.bind(*args, **params)
+  return list(out) if op.eqn.primitive.multiple_results else [out]
+
+
+def run_local(local: Local, args: list) -> list:
+  fn = LOCAL.get(local.op.primitive)
+  return fn(local, args) if fn else bind(local.op, args)
+
+
+@_register("spmd_annotate", "sharding_constraint")
+def _identity(local: Local, args: list) -> list:
+  return args[:1]
+
+
+@_register("broadcast_in_dim")
+def _broadcast_in_dim(local: Local, args: list) -> list:
+  return bind(local.op, args, shape=local.out_shape())
+
+
+@_register("reshape")
+def _reshape(local: Local, args: list) -> list:
+  return bind(local.op, args, new_sizes=local.out_shape(), dimensions=None)
+
+
+@_register("iota")
+def _iota(local: Local, args: list) -> list:
+  p, shape = local.op.params, local.out_shape()
+  (out,) = bind(local.op, args, shape=shape)
+  d = p["dimension"]
+  if local.writes[0].dims[d]:
+    out = out + local.offset(local.writes[0], d, shape[d]).astype(p["dtype"])
+  return [out]
+
+
+@_register("slice")
+def _slice(local: Local, args: list) -> list:
+  p, x = local.op.params, local.op.inputs[0]
+  shape = local.shape(x, local.reads[0])
+  start, limit = list(p["start_indices"]), list(p["limit_indices"])
+  for d, axes in enumerate(local.reads[0].dims):
+    if axes:  # a pass-through dim: whole in the global slice, so whole locally
+      start[d], limit[d] = 0, shape[d]
+  return bind(local.op, args, start_indices=tuple(start), limit_indices=tuple(limit))
+
+
+@_register("dynamic_slice")
+def _dynamic_slice(local: Local, args: list) -> list:
+  return bind(local.op, args, slice_sizes=local.out_shape())
+
+
+@_register("conv_general_dilated")
+def _conv(local: Local, args: list) -> list:
+  """A device holding a share of the groups runs that many (lhs features = groups x per-group)."""
+  p, op = local.op.params, local.op
+  dn = p["dimension_numbers"]
+  lhs = local.shape(op.inputs[0], local.reads[0])
+  if p["feature_group_count"] > 1:
+    rhs = local.shape(op.inputs[1], local.reads[1])
+    return bind(op, args, feature_group_count=lhs[dn.lhs_spec[1]] // rhs[dn.rhs_spec[1]])
+  if p["batch_group_count"] > 1:
+    return bind(op, args, batch_group_count=lhs[dn.lhs_spec[0]] // local.out_shape()[dn.out_spec[0]])
+  return bind(op, args)
+
+
+@_register("random_bits")
+def _random_bits(local: Local, args: list) -> list:
+  """Threefry bits are a function of (key, global position): each device computes its block."""
+  p, key = local.op.params, args[0]
+  shape, global_shape = local.out_shape(), tuple(p["shape"])
+  impl = jax.random.key_impl(key)
+  if (key.shape or not local.writes[0].axes or "threefry" not in str(impl)
+      or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
+    return _whole_then_slice(local, args)
+  strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
+  counts = jnp.zeros(shape, jnp.uint32)
+  for d, n in enumerate(shape):
+    idx = lax.broadcasted_iota(jnp.uint32, shape, d)
+    if local.writes[0].dims[d]:
+      idx = idx + local.offset(local.writes[0], d, n).astype(jnp.uint32)
+    counts = counts + idx * jnp.uint32(strides[d])
+  k1, k2 = jax.random.key_data(key)
+  bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
+  bits = bits1 ^ bits2
+  dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[p["bit_width"]]
+  return [bits.astype(dtype)]
+
+
+@_register("random_split", "random_fold_in")
+def _key_ops(local: Local, args: list) -> list:
+  if local.op.primitive == "random_split":
+    return bind(local.op, args, shape=tuple(local.out_shape()[len(local.op.inputs[0].aval.shape):]))
+  return bind(local.op, args)
+
+
+def _whole_then_slice(local: Local, args: list) -> list:
+  """Computes the op with global shapes (its operands are whole) and keeps this device's block."""
+  outs = bind(local.op, args)
+  return [_block(o, w) for o, w in zip(outs, local.writes)]
+
+
+def _block(x: jax.Array, s: TensorSharding) -> jax.Array:
+  for d, axes in enumerate(s.dims):
+    if axes:
+      size = x.shape[d] // math.prod(lax.axis_size(a) for a in axes)
+      x = lax.dynamic_slice_in_dim(x, shard_index(axes) * size, size, d)
+  return x
+
+
+@_register("gather")
+def _gather(local: Local, args: list) -> list:
+  """Offset and batch dims run locally; an indexed operand dim that is sharded (a reduction
+  factor) gathers only the rows this device owns, zero elsewhere: the caller sums."""
+  p, op = local.op.params, local.op
+  dn, mode = p["dimension_numbers"], p["mode"]
+  operand, indices = args
+  read = local.reads[0]
+  local_operand_shape = local.shape(op.inputs[0], read)
+  sizes = tuple(min(s, n) for s, n in zip(p["slice_sizes"], local_operand_shape))
+  owned = [(j, d) for j, d in enumerate(dn.start_index_map) if read.dims[d]]
+  if not owned:
+    return bind(op, args, slice_sizes=sizes)
+  global_shape = op.inputs[0].aval.shape
+  starts = [indices[..., j] for j in range(len(dn.start_index_map))]
+  oob = jnp.zeros(indices.shape[:-1], bool)
+  for j, d in enumerate(dn.start_index_map):
+    limit = global_shape[d] - p["slice_sizes"][d]
+    oob = oob | (starts[j] < 0) | (starts[j] > limit)
+    starts[j] = jnp.clip(starts[j], 0, limit)
+  mine = jnp.ones(indices.shape[:-1], bool)
+  for j, d in owned:
+    offset = local.offset(read, d, local_operand_shape[d])
+    rel = starts[j] - offset.astype(starts[j].dtype)
+    mine = mine & (rel >= 0) & (rel < local_operand_shape[d])
+    starts[j] = jnp.clip(rel, 0, local_operand_shape[d] - 1)
+  (out,) = bind(op, [operand, jnp.stack(starts, -1).astype(indices.dtype)], slice_sizes=sizes,
+                mode=lax.GatherScatterMode.CLIP)
+  expand = lambda m: lax.expand_dims(m, dn.offset_dims) if dn.offset_dims else m  # noqa: E731
+  zero = jnp.zeros((), out.dtype)
+  fill_mode = mode == lax.GatherScatterMode.FILL_OR_DROP
+  keep = mine & ~oob if fill_mode else mine
+  out = jnp.where(expand(keep), out, zero)
+  if fill_mode:
+    first = jnp.all(jnp.stack([shard_index(read.dims[d]) == 0 for _, d in owned]))
+    out = out + jnp.where(expand(oob & first), _fill_value(p, out.dtype), zero)
+  return [out]
+
+
+def _fill_value(p: dict, dtype: Any) -> Any:
+  if p.get("fill_value") is not None:
+    return jnp.asarray(p["fill_value"], dtype)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return jnp.asarray(np.nan, dtype)
+  if jnp.issubdtype(dtype, jnp.signedinteger):
+    return jnp.asarray(jnp.iinfo(dtype).min, dtype)
+  if jnp.issubdtype(dtype, jnp.unsignedinteger):
+    return jnp.asarray(jnp.iinfo(dtype).max, dtype)
+  return jnp.asarray(True, dtype)
+
+
+@_register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
+           "scatter_min", "scatter-max", "scatter_max")
+def _scatter(local: Local, args: list) -> list:
+  """Each device applies the updates that land in the operand rows it owns (indices shifted,
+  the rest dropped); when the updates themselves are split (scatter-add), only one device of
+  each group keeps the operand, so the partial results sum to the answer."""
+  p, op = local.op.params, local.op
+  dn, mode = p["dimension_numbers"], p["mode"]
+  operand, indices, updates = args[:3]
+  read = local.reads[0]
+  global_shape = op.inputs[0].aval.shape
+  local_shape = local.shape(op.inputs[0], read)
+  owned = [(j, d) for j, d in enumerate(dn.scatter_dims_to_operand_dims) if read.dims[d]]
+  if owned:
+    window = {d: 1 for d in dn.inserted_window_dims}
+    starts = [indices[..., j] for j in range(indices.shape[-1])]
+    for j, d in enumerate(dn.scatter_dims_to_operand_dims):
+      size = window.get(d, global_shape[d])
+      if mode != lax.GatherScatterMode.FILL_OR_DROP:
+        starts[j] = jnp.clip(starts[j], 0, global_shape[d] - size)
+    for j, d in owned:
+      offset = local.offset(read, d, local_shape[d]).astype(starts[j].dtype)
+      in_bounds = (starts[j] >= 0) & (starts[j] < global_shape[d])
+      rel = starts[j] - offset
+      starts[j] = jnp.where(in_bounds, rel, local_shape[d])  # out of range: dropped
+    indices = jnp.stack(starts, -1).astype(indices.dtype)
+    mode = lax.GatherScatterMode.FILL_OR_DROP
+  if local.partial_axes:
+    operand = jnp.where(shard_index(local.partial_axes) == 0, operand, jnp.zeros_like(operand))
+  return bind(op, [operand, indices, updates, *args[3:]], mode=mode)

@@ -1,0 +1,174 @@
+"""backend="spmd": one program for every device, ``jax.jit(jax.shard_map(local_program))``.
+
+The local program replays the schedule: before each op the scheduled reshards run as explicit
+collectives (psum, psum_scatter, all_gather, all_to_all, ppermute) or local slices; each op runs
+on local shards (spmd/partition/local.py); scan / while / cond run with partitioned bodies.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+
+from spmd.partition.ir import Atom, Literal, Value
+from spmd.partition.local import Local, run_local, shard_index
+from spmd.partition.planner import Analysis
+from spmd.partition.reshard import ReshardStep
+from spmd.partition.schedule import RegionSchedule, ScheduledOp, Transfer
+from spmd.partition.sharding import MeshShape, TensorSharding
+
+Env = dict[tuple[Value, TensorSharding], Any]
+
+
+def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
+  sched = analysis.schedule
+  _check_even(analysis, dict(mesh.shape))
+  interpreter = _Interpreter(analysis, dict(mesh.shape))
+  in_specs = tuple(s.to_spec() for s in sched.inputs)
+  out_specs = tuple(s.to_spec() for s in sched.outputs)
+  local = jax.shard_map(interpreter.run, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        check_vma=False)
+  named = lambda specs: tuple(NamedSharding(mesh, p) for p in specs)  # noqa: E731
+  return jax.jit(local, in_shardings=named(in_specs), out_shardings=named(out_specs),
+                 donate_argnums=tuple(donate_argnums))
+
+
+def _check_even(analysis: Analysis, mesh: MeshShape) -> None:
+  for s in analysis.schedule.walk():
+    for v, w in zip(s.op.outputs, s.writes):
+      if not w.divides(v.shape, mesh):
+        raise ValueError(
+            f"backend='spmd': {s.op.primitive} at {s.op.source} (op {s.op.index}) would be "
+            f"sharded {w} over an uneven dim of {v.aval.str_short()}; uneven intermediates are "
+            "not partitioned by this backend yet: use backend='xla' or even sizes")
+
+
+class _Interpreter:
+  def __init__(self, analysis: Analysis, mesh: MeshShape):
+    self.analysis, self.mesh = analysis, mesh
+
+  def run(self, *args: Any) -> tuple:
+    program, sched = self.analysis.program, self.analysis.schedule
+    env: Env = {(v, s): a for v, s, a in zip(program.inputs, sched.inputs, args)}
+    for c in program.consts:
+      env[(c, TensorSharding.replicated(len(c.shape)))] = c.const
+    self.ops(sched.ops, env)
+    self.transfers(sched.exit, env)
+    return tuple(self.read(env, x, s) for x, s in zip(program.outputs, sched.outputs))
+
+  # --- values -----------------------------------------------------------------------------------
+
+  def read(self, env: Env, x: Atom, s: TensorSharding | None) -> Any:
+    if isinstance(x, Literal):
+      value = np.asarray(x.val, dtype=x.aval.dtype)
+      return value if s is None else jnp.full(s.local_shape(x.aval.shape, self.mesh), value)
+    return env[(x, s)]
+
+  def transfers(self, transfers: list[Transfer], env: Env) -> None:
+    for t in transfers:
+      x = env[(t.value, t.src)]
+      for step in t.steps:
+        x = self.step(x, step)
+      env[(t.value, t.dst)] = x
+
+  def step(self, x: Any, step: ReshardStep) -> Any:
+    axes = step.axes if len(step.axes) > 1 else step.axes[0]
+    if step.kind == "all-reduce":
+      return _all_reduce(x, axes, step.before.partial_op)
+    if step.kind == "reduce-scatter":
+      return lax.psum_scatter(x, axes, scatter_dimension=step.dim, tiled=True)
+    if step.kind == "all-gather":
+      return lax.all_gather(x, axes, axis=step.dim, tiled=True)
+    if step.kind == "all-to-all":
+      return lax.all_to_all(x, axes, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True)
+    if step.kind == "collective-permute":
+      return lax.ppermute(x, tuple(step.before.dims[step.dim]), self._perm(step))
+    if step.kind == "dynamic-slice":
+      size = x.shape[step.dim] // self.mesh[step.axes[0]]
+      return lax.dynamic_slice_in_dim(x, shard_index(step.axes) * size, size, step.dim)
+    raise AssertionError(f"unknown reshard step {step.kind}")
+
+  def _perm(self, step: ReshardStep) -> list[tuple[int, int]]:
+    """Axes of one dim change order: the device at block b_after(c) gets it from b_before."""
+    before, after = step.before.dims[step.dim], step.after.dims[step.dim]
+
+    def block(order, coords) -> int:
+      return int(np.ravel_multi_index([coords[a] for a in order],
+                                      [self.mesh[a] for a in order]))
+
+    pairs = []
+    for idx in itertools.product(*(range(self.mesh[a]) for a in before)):
+      coords = dict(zip(before, idx))
+      pairs.append((block(after, coords), block(before, coords)))
+    return pairs
+
+  # --- ops --------------------------------------------------------------------------------------
+
+  def ops(self, scheduled: list[ScheduledOp], env: Env) -> None:
+    for s in scheduled:
+      self.transfers(s.transfers, env)
+      args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
+      if s.regions:
+        outs = CONTROL[s.op.primitive](self, s, args)
+      else:
+        ex = s.execution
+        outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh), args)
+      for v, w, out in zip(s.op.outputs, s.writes, outs):
+        env[(v, w)] = out
+
+  def region(self, r: RegionSchedule, region: Any, args: Sequence[Any]) -> list:
+    env: Env = {(v, s): a for v, s, a in zip(region.inputs, r.inputs, args)}
+    self.ops(r.ops, env)
+    self.transfers(r.exit, env)
+    return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]
+
+
+def _all_reduce(x: Any, axes: Any, op: str) -> Any:
+  if x.dtype == jnp.bool_:
+    return _all_reduce(x.astype(jnp.int32), axes, op).astype(jnp.bool_)
+  return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
+
+
+def _scan(it: _Interpreter, s: ScheduledOp, args: list) -> list:
+  op, p = s.op, s.op.params
+  nc, nk = p["num_consts"], p["num_carry"]
+  consts, init, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
+
+  def body(carry, x):
+    outs = it.region(s.regions[0], op.regions[0], [*consts, *carry, *x])
+    return outs[:nk], outs[nk:]
+
+  carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                       unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def _while(it: _Interpreter, s: ScheduledOp, args: list) -> list:
+  op, p = s.op, s.op.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
+
+  def cond(carry):
+    return it.region(s.regions[0], op.regions[0], [*cond_consts, *carry])[0]
+
+  def body(carry):
+    return it.region(s.regions[1], op.regions[1], [*body_consts, *carry])
+
+  return list(lax.while_loop(cond, body, list(init)))
+
+
+def _cond(it: _Interpreter, s: ScheduledOp, args: list) -> list:
+  op = s.op
+  branches = [lambda *a, r=r, region=region: it.region(r, region, a)
+              for r, region in zip(s.regions, op.regions)]
+  return list(lax.switch(args[0], branches, *args[1:]))
+
+
+CONTROL: dict[str, Callable[[_Interpreter, ScheduledOp, list], list]] = {
+    "scan": _scan, "while": _while, "cond": _cond}
+
