@@ -49,7 +49,8 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
 @dataclass(frozen=True)
 class _Compiled:
   analysis: Analysis
-  fn: Callable
+  fn: Callable         # the jitted program over flat leaves (no custom derivative)
+  call: Callable       # ``fn`` with a partitioned backward pass, for jax.grad / jax.vjp
   out_tree: Any
 
 
@@ -74,9 +75,7 @@ class Partitioned:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     compiled, leaves = self._compile(args, kwargs)
-    with jax.set_mesh(self.mesh):
-      outs = compiled.fn(*leaves)
-    return tree_unflatten(compiled.out_tree, outs)
+    return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -84,8 +83,7 @@ class Partitioned:
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     compiled, leaves = self._compile(args, kwargs)
-    with jax.set_mesh(self.mesh):
-      return compiled.fn.lower(*leaves)
+    return compiled.fn.lower(*leaves)
 
   # --- tracing and caching -------------------------------------------------------------------
 
@@ -129,7 +127,7 @@ class Partitioned:
       out_store.append(out_tree)
       return out_leaves
 
-    with jax.set_mesh(self.mesh):
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # bare-spec constraints trace
       closed = jax.make_jaxpr(flat_fun)(*leaves)
     out_tree = out_store[-1]
     program = build_program(closed)
@@ -141,7 +139,56 @@ class Partitioned:
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     fn = lower(analysis, self.mesh, donated)
-    return _Compiled(analysis, fn, out_tree)
+    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree)
+
+  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
+    """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
+    cotangents sharded like the inputs, outputs' like the outputs)."""
+    in_specs = [s.to_spec() for s in analysis.schedule.inputs]
+    out_specs = [s.to_spec() for s in analysis.schedule.outputs]
+    program = analysis.program
+    in_diff = [i for i, v in enumerate(program.inputs) if _inexact(v.aval)]
+    out_diff = [j for j, x in enumerate(program.outputs) if _inexact(x.aval)]
+    backward: list[Partitioned] = []
+
+    def pullback(primals: list, others: list, cts: list) -> list:
+      def f(*diff: Any) -> list:
+        full = list(others)
+        for i, x in zip(in_diff, diff):
+          full.insert(i, x)
+        return flat_fun(*full)
+
+      _, vjp = jax.vjp(f, *primals)
+      all_cts = [np.zeros(x.aval.shape, jax.dtypes.float0) for x in program.outputs]
+      for j, ct in zip(out_diff, cts):
+        all_cts[j] = ct
+      return list(vjp(all_cts))
+
+    @jax.custom_vjp
+    def call(*leaves: Any) -> Any:
+      return fn(*leaves)
+
+    def fwd(*leaves: Any) -> tuple:
+      return fn(*leaves), leaves
+
+    def bwd(leaves: tuple, cts: tuple) -> tuple:
+      if not backward:
+        backward.append(Partitioned(
+            pullback, self.mesh,
+            ([in_specs[i] for i in in_diff],
+             [s for i, s in enumerate(in_specs) if i not in in_diff],
+             [out_specs[j] for j in out_diff]),
+            [in_specs[i] for i in in_diff], (), (), self.backend))
+      grads = backward[0]([leaves[i] for i in in_diff],
+                          [x for i, x in enumerate(leaves) if i not in in_diff],
+                          [cts[j] for j in out_diff])
+      out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in leaves]
+      for i, g in zip(in_diff, grads):
+        out[i] = g
+      return tuple(out)
+
+    call.defvjp(fwd, bwd)
+    return call
 
   # --- specs -----------------------------------------------------------------------------------
 
@@ -204,10 +251,10 @@ class Partitioned:
     return tuple(out)
 
 
-def _broadcast_prefix(prefix: Any, tree: tuple, what: str, of: str) -> list[P | None]:
+def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | None]:
   """Expands a pytree prefix of specs to one spec per leaf of ``tree``."""
-  if isinstance(prefix, list):
-    prefix = tuple(prefix)
+  if isinstance(prefix, (list, tuple)) and isinstance(tree, (list, tuple)):
+    prefix = type(tree)(prefix)  # a list of specs for a tuple of arguments, or the reverse
   is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
   spec_leaves, spec_tree = tree_flatten(prefix, is_leaf=is_spec)
   for leaf in spec_leaves:
@@ -222,6 +269,10 @@ def _broadcast_prefix(prefix: Any, tree: tuple, what: str, of: str) -> list[P | 
   for spec, sub in zip(spec_leaves, subtrees):
     out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
   return out
+
+
+def _inexact(aval: Any) -> bool:
+  return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
 def _mesh_spec(leaf: Any, mesh: Mesh) -> P | None:

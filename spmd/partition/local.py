@@ -74,7 +74,7 @@ def run_local(local: Local, args: list) -> list:
   return fn(local, args) if fn else bind(local.op, args)
 
 
-@_register("spmd_annotate", "sharding_constraint")
+@_register("spmd_annotate", "sharding_constraint", "reshard")
 def _identity(local: Local, args: list) -> list:
   return args[:1]
 
@@ -133,9 +133,11 @@ def _conv(local: Local, args: list) -> list:
 def _random_bits(local: Local, args: list) -> list:
   """Threefry bits are a function of (key, global position): each device computes its block."""
   p, key = local.op.params, args[0]
+  if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
+    return bind(local.op, args)
   shape, global_shape = local.out_shape(), tuple(p["shape"])
   impl = jax.random.key_impl(key)
-  if (key.shape or not local.writes[0].axes or "threefry" not in str(impl)
+  if (not local.writes[0].axes or "threefry" not in str(impl)
       or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
     return _whole_then_slice(local, args)
   strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
@@ -150,13 +152,6 @@ def _random_bits(local: Local, args: list) -> list:
   bits = bits1 ^ bits2
   dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[p["bit_width"]]
   return [bits.astype(dtype)]
-
-
-@_register("random_split", "random_fold_in")
-def _key_ops(local: Local, args: list) -> list:
-  if local.op.primitive == "random_split":
-    return bind(local.op, args, shape=tuple(local.out_shape()[len(local.op.inputs[0].aval.shape):]))
-  return bind(local.op, args)
 
 
 def _whole_then_slice(local: Local, args: list) -> list:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.partition.ir import Atom, Literal, Op, Value
+from spmd.partition.local import bind
 from spmd.partition.planner import Analysis
 
 # Identity ops whose request is already part of the propagated shardings.
@@ -24,11 +25,7 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
   def run(ops: list[Op], env: dict[Value, Any]) -> None:
     for op in ops:
       args = [_read(env, x) for x in op.inputs]
-      if op.primitive in _ANNOTATIONS:
-        outs = args[:1]
-      else:
-        outs = op.eqn.primitive.bind(*args, **op.params)
-        outs = outs if op.eqn.primitive.multiple_results else [outs]
+      outs = args[:1] if op.primitive in _ANNOTATIONS else bind(op, args)
       for v, out in zip(op.outputs, outs):
         env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
 

@@ -14,9 +14,11 @@ shift_left shift_right_logical shift_right_arithmetic complex igamma igammac iga
 random_gamma_grad polygamma zeta regularized_incomplete_beta select_n clamp threefry2x32""".split()
 # Identity ops that carry a user's sharding annotation (closed by the engine's seeding).
 ANNOTATIONS = ["sharding_constraint", "spmd_annotate"]
+# Identity ops JAX inserts under a mesh context (jnp.where, ...); on Auto axes they ask nothing.
+IDENTITIES = ["reshard"]
 
 
-@register(*UNARY, *BINARY, *ANNOTATIONS)
+@register(*UNARY, *BINARY, *ANNOTATIONS, *IDENTITIES)
 def elementwise(op: Op) -> OpShardingRule:
   out_shape = op.outputs[0].shape
   b = RuleBuilder()

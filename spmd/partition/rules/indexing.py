@@ -58,6 +58,17 @@ def concatenate(op: Op) -> OpShardingRule:
   return b.build(operands, [result])
 
 
+@register("stack")
+def stack(op: Op) -> OpShardingRule:
+  """Operand dims pass through; the new dim exists only in the result, stacked whole (a device
+  keeps its slice of it afterwards, locally)."""
+  axis, out = op.params["axis"], op.outputs[0].shape
+  b = RuleBuilder()
+  result = [b.factor(n, WHOLE) if d == axis else b.factor(n) for d, n in enumerate(out)]
+  operand = [f for d, f in enumerate(result) if d != axis]
+  return b.build([operand if isinstance(x, Value) else None for x in op.inputs], [result])
+
+
 @register("split")
 def split(op: Op) -> OpShardingRule:
   axis = op.params["axis"]
@@ -81,10 +92,11 @@ def dynamic_slice(op: Op) -> OpShardingRule:
 
 @register("dynamic_update_slice")
 def dynamic_update_slice(op: Op) -> OpShardingRule:
-  """Operand and result share every dim; a partial-size update dim is written whole."""
+  """Dims the update covers whole pass through all three; a dim it covers in part is whole on
+  every device (the written window may straddle shards)."""
   shape, update = op.inputs[0].aval.shape, op.inputs[1].aval.shape
   b = RuleBuilder()
-  operand = b.factors(shape)
+  operand = [b.factor(n) if update[d] == n else b.factor(n, WHOLE) for d, n in enumerate(shape)]
   update_dims = [f if update[d] == shape[d] else b.factor(update[d], WHOLE)
                  for d, f in enumerate(operand)]
   return b.build([operand, update_dims] + [_scalar(x) for x in op.inputs[2:]], [operand])
