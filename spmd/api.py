@@ -135,7 +135,7 @@ class Partitioned:
     boundary = Boundary(given, tuple(leaf_names), outputs)
     analysis = analyze(program, boundary, self._mesh_shape, backend=self.backend,
                        name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
-                       out_tree=out_tree, even_boundary=True)
+                       out_tree=out_tree)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     fn = lower(analysis, self.mesh, donated)
@@ -216,9 +216,10 @@ class Partitioned:
     sharding = TensorSharding.from_spec(spec, len(shape), self._mesh_shape, what=what)
     for d, n in enumerate(shape):
       shards = sharding.shards(d, self._mesh_shape)
-      if n % shards:
+      if n % shards and self.backend == "xla":
         raise ValueError(f"{what}: dim {d} of size {n} does not split evenly into {shards} "
-                         f"shards; backend={self.backend!r} needs even shards at the boundary")
+                         "shards; backend='xla' needs even shards at the boundary (JAX refuses "
+                         "them): use backend='spmd', which pads")
     return sharding
 
   # --- arguments -------------------------------------------------------------------------------

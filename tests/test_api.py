@@ -243,9 +243,20 @@ def test_mesh_and_backend_are_checked():
 
 
 def test_uneven_boundary_is_a_clear_error_for_the_xla_backend(mesh):
-  g = spmd.partition(lambda x: x * 2, mesh=mesh, in_specs=P("model"))
+  g = spmd.partition(lambda x: x * 2, mesh=mesh, in_specs=P("model"), backend="xla")
   with pytest.raises(ValueError, match="dim 0 of size 6 does not split evenly into 4 shards"):
     g(jnp.ones((6,)))
+
+
+def test_uneven_inputs_and_outputs_with_the_spmd_backend(mesh):
+  g = spmd.partition(lambda x: (x * 2, x.sum()), mesh=mesh, in_specs=P("model"),
+                     out_specs=(P("model"), P()))
+  out = g(jnp.arange(6.0))
+  np.testing.assert_array_equal(out[0], jnp.arange(6.0) * 2)
+  assert out[0].shape == (6,) and out[1] == 15
+  plan = g.plan(jnp.arange(6.0))
+  assert plan.in_specs == (P("model"),) and plan.out_specs == (P(None), P())
+  assert any("out_specs[0]" in w and "returned as P(None)" in w for w in plan.warnings)
 
 
 def test_lower_returns_a_jax_lowered(mesh):

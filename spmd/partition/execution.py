@@ -116,9 +116,15 @@ def _agreed(cands: list[tuple[int, Axes]]) -> Axes:
 
 
 def _drop_inexpressible(axes: list[Axes], rule: OpShardingRule, mesh: MeshShape) -> None:
-  """In a merged dim [f1, f2], f2 can only be sharded if f1 is sharded completely."""
+  """In a merged dim [f1, f2], f2 can only be sharded if f1 is sharded completely, and no factor
+  of a merged dim may be split unevenly (its padding would land inside the merged dim)."""
   for tf in rule.tensors():
     for factors in tf or ():
+      if len(factors) < 2:
+        continue
+      for f in factors:
+        if rule.sizes[f] % math.prod(mesh[a] for a in axes[f]):
+          axes[f] = ()
       for major, minor in zip(factors, factors[1:]):
         if math.prod(mesh[a] for a in axes[major]) != rule.sizes[major]:
           axes[minor] = ()

@@ -197,12 +197,47 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
   return kept[::-1]
 
 
+def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[Atom, ...]]:
+  """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
+  one reuses its results (XLA merges them too, collectives included)."""
+  alias: dict[Value, Value] = {}
+  seen: dict[tuple, Op] = {}
+  kept: list[Op] = []
+  sub = lambda a: alias.get(a, a) if isinstance(a, Value) else a  # noqa: E731
+  for op in ops:
+    op.inputs = tuple(sub(a) for a in op.inputs)
+    for region in op.regions:
+      region.ops, region.outputs = _dedupe(region.ops, region.outputs)
+    key = _cse_key(op)
+    if key is not None and key in seen:
+      alias.update(zip(op.outputs, seen[key].outputs))
+      continue
+    if key is not None:
+      seen[key] = op
+    kept.append(op)
+  return kept, tuple(sub(a) for a in outputs)
+
+
+def _cse_key(op: Op) -> tuple | None:
+  if op.regions or op.eqn.effects:
+    return None
+  inputs = tuple(a.id if isinstance(a, Value) else ("lit", repr(a.val), str(a.aval))
+                 for a in op.inputs)
+  try:
+    key = (op.primitive, inputs, tuple(sorted(op.params.items())))
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
 def build_program(closed: jcore.ClosedJaxpr) -> Program:
-  """Builds the program of a traced function: calls inlined, dead ops dropped, ops numbered
-  depth-first."""
+  """Builds the program of a traced function: calls inlined, common subexpressions merged, dead
+  ops dropped, ops numbered depth-first."""
   builder = _Builder()
   top = builder.region(closed)
-  program = Program(top.inputs, _prune(top.ops, top.outputs), top.outputs, ())
+  ops, outputs = _dedupe(top.ops, top.outputs)
+  program = Program(top.inputs, _prune(ops, outputs), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
   program.consts = tuple(builder.consts)

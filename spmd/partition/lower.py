@@ -7,6 +7,7 @@ on local shards (spmd/partition/local.py); scan / while / cond run with partitio
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from spmd.partition.ir import Atom, Literal, Value
 from spmd.partition.local import Local, run_local, shard_index
+from spmd.partition.uneven import mask_padding
 from spmd.partition.planner import Analysis
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.schedule import RegionSchedule, ScheduledOp, Transfer
@@ -26,26 +28,43 @@ Env = dict[tuple[Value, TensorSharding], Any]
 
 
 def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
-  sched = analysis.schedule
-  _check_even(analysis, dict(mesh.shape))
-  interpreter = _Interpreter(analysis, dict(mesh.shape))
+  """Inputs sharded unevenly are padded before the program (JAX cannot hold uneven shards; the
+  padded array splits evenly and is placed like any input), outputs are always even."""
+  sched, shape = analysis.schedule, dict(mesh.shape)
+  interpreter = _Interpreter(analysis, shape)
   in_specs = tuple(s.to_spec() for s in sched.inputs)
   out_specs = tuple(s.to_spec() for s in sched.outputs)
   local = jax.shard_map(interpreter.run, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                         check_vma=False)
   named = lambda specs: tuple(NamedSharding(mesh, p) for p in specs)  # noqa: E731
-  return jax.jit(local, in_shardings=named(in_specs), out_shardings=named(out_specs),
-                 donate_argnums=tuple(donate_argnums))
+  jitted = jax.jit(local, in_shardings=named(in_specs), out_shardings=named(out_specs),
+                   donate_argnums=tuple(donate_argnums))
+  inputs = analysis.program.inputs
+  if all(s.divides(v.shape, shape) for s, v in zip(sched.inputs, inputs)):
+    return jitted
+  return _PaddedInputs(jitted, [(s, v.shape) for s, v in zip(sched.inputs, inputs)], shape)
 
 
-def _check_even(analysis: Analysis, mesh: MeshShape) -> None:
-  for s in analysis.schedule.walk():
-    for v, w in zip(s.op.outputs, s.writes):
-      if not w.divides(v.shape, mesh):
-        raise ValueError(
-            f"backend='spmd': {s.op.primitive} at {s.op.source} (op {s.op.index}) would be "
-            f"sharded {w} over an uneven dim of {v.aval.str_short()}; uneven intermediates are "
-            "not partitioned by this backend yet: use backend='xla' or even sizes")
+class _PaddedInputs:
+  """``jitted`` called on inputs padded at the end of every unevenly sharded dim."""
+
+  def __init__(self, jitted: Any, layouts: list, mesh: MeshShape):
+    self.jitted, self.layouts, self.mesh = jitted, layouts, mesh
+
+  def _pad(self, args: Sequence[Any]) -> list:
+    return [_pad_global(a, s, shape, self.mesh) for a, (s, shape) in zip(args, self.layouts)]
+
+  def __call__(self, *args: Any) -> Any:
+    return self.jitted(*self._pad(args))
+
+  def lower(self, *args: Any) -> jax.stages.Lowered:
+    return self.jitted.lower(*self._pad(args))
+
+
+def _pad_global(x: Any, s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> Any:
+  for d, n in enumerate(shape):
+    x = _pad_to(x, d, -(-n // s.shards(d, mesh)) * s.shards(d, mesh))
+  return x
 
 
 class _Interpreter:
@@ -73,23 +92,30 @@ class _Interpreter:
     for t in transfers:
       x = env[(t.value, t.src)]
       for step in t.steps:
-        x = self.step(x, step)
+        x = self.step(x, step, t.value.shape)
       env[(t.value, t.dst)] = x
 
-  def step(self, x: Any, step: ReshardStep) -> Any:
+  def step(self, x: Any, step: ReshardStep, shape: tuple[int, ...]) -> Any:
+    """One reshard step on the local block; uneven dims are padded when split from whole and
+    cut back to their size when gathered whole (reshard.py only plans exact regroupings)."""
     axes = step.axes if len(step.axes) > 1 else step.axes[0]
+    after = step.after.local_shape(shape, self.mesh)
     if step.kind == "all-reduce":
       return _all_reduce(x, axes, step.before.partial_op)
     if step.kind == "reduce-scatter":
+      x = _pad_to(x, step.dim, after[step.dim] * self.mesh[step.axes[0]])
       return lax.psum_scatter(x, axes, scatter_dimension=step.dim, tiled=True)
     if step.kind == "all-gather":
-      return lax.all_gather(x, axes, axis=step.dim, tiled=True)
+      return _cut(lax.all_gather(x, axes, axis=step.dim, tiled=True), step.dim, after[step.dim])
     if step.kind == "all-to-all":
-      return lax.all_to_all(x, axes, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True)
+      x = _pad_to(x, step.dst_dim, after[step.dst_dim] * self.mesh[step.axes[0]])
+      x = lax.all_to_all(x, axes, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True)
+      return _cut(x, step.dim, after[step.dim])
     if step.kind == "collective-permute":
       return lax.ppermute(x, tuple(step.before.dims[step.dim]), self._perm(step))
     if step.kind == "dynamic-slice":
-      size = x.shape[step.dim] // self.mesh[step.axes[0]]
+      size = after[step.dim]
+      x = _pad_to(x, step.dim, size * math.prod(self.mesh[a] for a in step.axes))
       return lax.dynamic_slice_in_dim(x, shard_index(step.axes) * size, size, step.dim)
     raise AssertionError(f"unknown reshard step {step.kind}")
 
@@ -117,6 +143,7 @@ class _Interpreter:
         outs = CONTROL[s.op.primitive](self, s, args)
       else:
         ex = s.execution
+        args = mask_padding(ex, s.op, s.reads, args, self.mesh)
         outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh), args)
       for v, w, out in zip(s.op.outputs, s.writes, outs):
         env[(v, w)] = out
@@ -128,9 +155,23 @@ class _Interpreter:
     return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]
 
 
+def _pad_to(x: Any, dim: int, size: int) -> Any:
+  """Pads ``dim`` at the end up to ``size`` (a whole uneven dim about to be split)."""
+  if x.shape[dim] >= size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[dim] = (0, size - x.shape[dim])
+  return jnp.pad(x, widths)
+
+
+def _cut(x: Any, dim: int, size: int) -> Any:
+  """Drops the padding of a dim gathered whole."""
+  return x if x.shape[dim] == size else lax.slice_in_dim(x, 0, size, axis=dim)
+
+
 def _all_reduce(x: Any, axes: Any, op: str) -> Any:
   if x.dtype == jnp.bool_:
-    return _all_reduce(x.astype(jnp.int32), axes, op).astype(jnp.bool_)
+    return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
   return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
 
 

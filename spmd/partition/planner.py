@@ -35,19 +35,25 @@ class Analysis:
 
 
 def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: str, name: str,
-            in_tree: Any, out_tree: Any, even_boundary: bool) -> Analysis:
-  """``even_boundary``: open inputs/outputs only get shardings that divide their dims."""
+            in_tree: Any, out_tree: Any) -> Analysis:
+  """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
+  uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
   seeds = _seeds(program, boundary, mesh)
   prop = propagate(program, seeds, mesh)
-  fit = (lambda s, shape: _even(s, shape, mesh)) if even_boundary else (lambda s, shape: s)
-  inputs = tuple(fit(prop.shardings[v], v.shape) for v in program.inputs)
-  outputs = []
-  for atom, spec in zip(program.outputs, boundary.outputs):
+  inputs = tuple(spec or _even(prop.shardings[v], v.shape, mesh)
+                 for v, spec in zip(program.inputs, boundary.inputs))
+  outputs, warnings = [], []
+  for k, (atom, spec) in enumerate(zip(program.outputs, boundary.outputs)):
+    shape = atom.aval.shape
     held = prop.shardings[atom] if isinstance(atom, Value) else TensorSharding.replicated(
-        len(atom.aval.shape))
-    outputs.append(spec if spec is not None else fit(held, atom.aval.shape))
+        len(shape))
+    want = spec if spec is not None else held
+    outputs.append(_even(want, shape, mesh))
+    if spec is not None and outputs[-1] != spec:
+      warnings.append(f"out_specs[{k}] {spec} does not split {atom.aval.str_short()} evenly: JAX "
+                      f"arrays cannot hold uneven shards, so it is returned as {outputs[-1]}")
   sched = schedule(program, prop.constraints, prop.shardings, inputs, tuple(outputs), mesh)
-  plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree)
+  plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree, warnings)
   return Analysis(program, prop, sched, plan)
 
 
@@ -85,10 +91,10 @@ def _input_text(k: int, boundary: Boundary) -> str:
 
 
 def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Boundary,
-          mesh: MeshShape, backend: str, name: str, in_tree: Any, out_tree: Any) -> Plan:
+          mesh: MeshShape, backend: str, name: str, in_tree: Any, out_tree: Any,
+          warnings: list[str]) -> Plan:
   producers = _producers(program, boundary)
   by_op: dict[int, list[Collective]] = {}
-  warnings: list[str] = []
   for s in sched.walk():
     transfers = s.transfers + [t for r in s.regions for t in r.exit]
     by_op[s.op.index] = [_collective(step, s.op, t) for t in transfers for step in t.steps

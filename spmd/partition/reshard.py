@@ -5,6 +5,11 @@ the target shards that axis, else all-reduce); dims whose axes only change order
 axes free everywhere are sliced locally (no communication) so later collectives move less;
 an axis that moves from one dim to another is an all-to-all; axes to drop are all-gathered;
 finally the remaining axes are sliced locally.
+
+Uneven dims (size N not divisible by the shard count n) are held padded: shard k has rows
+[k*S, (k+1)*S), S = ceil(N/n), rows past N are padding. A step that regroups shards is only
+taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise the dim is gathered whole
+(padding dropped) and sliced again in one step (padded to n*S first).
 """
 from __future__ import annotations
 
@@ -41,6 +46,22 @@ def local_bytes(sharding: TensorSharding, shape: Sequence[int], itemsize: int,
   return math.prod(sharding.local_shape(shape, mesh)) * itemsize
 
 
+def _shard(n: int, count: int) -> int:
+  return -(-n // count)
+
+
+def splits_exactly(n: int, count: int, k: int) -> bool:
+  """Can each of ``count`` blocks of a size-``n`` dim be cut into ``k`` blocks of the finer
+  sharding? Always from whole (padding goes at the end)."""
+  return count == 1 or _shard(n, count) == k * _shard(n, count * k)
+
+
+def gathers_exactly(n: int, count: int, k: int) -> bool:
+  """Do ``k`` neighbouring blocks of ``count`` concatenate to a block of the coarser sharding?
+  Always to whole (the padding is sliced off)."""
+  return count == k or k * _shard(n, count) == _shard(n, count // k)
+
+
 def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                  mesh: MeshShape) -> tuple[ReshardStep, ...]:
   steps: list[ReshardStep] = []
@@ -48,24 +69,29 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   partial = [a for a in src.partial if a not in dst.partial]
   target = [list(d) for d in dst.dims]
 
+  def count(axes: Sequence[str]) -> int:
+    return math.prod(mesh[a] for a in axes)
+
   def cur() -> TensorSharding:
     left = tuple(a for a in src.partial if a in partial or a in dst.partial)
     return TensorSharding(tuple(tuple(d) for d in dims), left, src.partial_op if left else "sum")
-
-  def nbytes(s: TensorSharding) -> int:
-    return local_bytes(s, shape, itemsize, mesh)
 
   def emit(kind: str, axes: Sequence[str], change, dim=None, dst_dim=None) -> None:
     before = cur()
     change()
     after = cur()
-    moved = 0 if kind == "dynamic-slice" else max(nbytes(before), nbytes(after))
+    moved = 0 if kind == "dynamic-slice" else _buffer_bytes(kind, count(axes), before, after,
+                                                           dim, dst_dim, shape, itemsize, mesh)
     steps.append(ReshardStep(kind, tuple(axes), before, after, moved, dim, dst_dim))
+
+  def wants_next(d: int, a: str) -> bool:
+    want = target[d]
+    return len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d] and want[len(dims[d])] == a
 
   # 1. Partial sums: reduce-scatter into the dim that wants the axis next, else all-reduce.
   for a in list(partial) if src.partial_op == "sum" else ():
-    for d, want in enumerate(target):
-      if len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d] and want[len(dims[d])] == a:
+    for d in range(len(dims)):
+      if wants_next(d, a) and splits_exactly(shape[d], count(dims[d]), mesh[a]):
         emit("reduce-scatter", [a], lambda a=a, d=d: (partial.remove(a), dims[d].append(a)), d)
         break
   if partial:
@@ -77,15 +103,24 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
       emit("collective-permute", want, lambda d=d, want=want: dims[d].__setitem__(
           slice(None), list(want)), d)
 
+  # Uneven dims whose blocks do not nest between source and target are gathered whole first.
+  for d, want in enumerate(target):
+    have = dims[d]
+    if have and want != have and not _nests(shape[d], have, want, mesh):
+      emit("all-gather", list(have), lambda d=d: dims[d].clear(), d)
+
   def used() -> set[str]:
     return {a for d in dims for a in d}
 
   def slice_free() -> None:
     for d, want in enumerate(target):
-      while (len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d]
-             and want[len(dims[d])] not in used()):
-        a = want[len(dims[d])]
-        emit("dynamic-slice", [a], lambda d=d, a=a: dims[d].append(a), d)
+      added: list[str] = []
+      while (len(want) > len(dims[d]) + len(added)
+             and want[:len(dims[d])] == dims[d] and want[len(dims[d]) + len(added)] not in used()
+             and want[len(dims[d]) + len(added)] not in added):
+        added.append(want[len(dims[d]) + len(added)])
+      if added and splits_exactly(shape[d], count(dims[d]), count(added)):
+        emit("dynamic-slice", added, lambda d=d, added=added: dims[d].extend(added), d)
 
   # 3. Local slices first, so that collectives move less.
   slice_free()
@@ -97,9 +132,10 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
       if not dims[i] or target[i][:len(dims[i])] == dims[i]:
         continue
       a = dims[i][-1]
-      for j, want in enumerate(target):
-        if j != i and len(want) > len(dims[j]) and want[:len(dims[j])] == dims[j] \
-            and want[len(dims[j])] == a:
+      for j in range(len(dims)):
+        if (j != i and wants_next(j, a)
+            and gathers_exactly(shape[i], count(dims[i]), mesh[a])
+            and splits_exactly(shape[j], count(dims[j]), mesh[a])):
           emit("all-to-all", [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)), i, j)
           moved = True
           break
@@ -110,7 +146,38 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
       keep += 1
     if keep < len(dims[d]):
       lost = dims[d][keep:]
+      if not gathers_exactly(shape[d], count(dims[d]), count(lost)):
+        keep, lost = 0, list(dims[d])
       emit("all-gather", lost, lambda d=d, keep=keep: dims[d].__delitem__(slice(keep, None)), d)
   # 6. What is left is more tiling: local slices.
   slice_free()
   return tuple(steps)
+
+
+def _buffer_bytes(kind: str, k: int, before: TensorSharding, after: TensorSharding, dim: int | None,
+                  dst_dim: int | None, shape: Sequence[int], itemsize: int, mesh: MeshShape) -> int:
+  """The larger of a collective's per-device input and output buffers, padding included: an
+  uneven dim is gathered as k padded blocks and split from a padded whole."""
+  src = list(before.local_shape(shape, mesh))
+  out = list(after.local_shape(shape, mesh))
+  if kind == "all-gather":
+    out[dim] = k * src[dim]
+  elif kind == "reduce-scatter":
+    src[dim] = k * out[dim]
+  elif kind == "all-to-all":
+    src[dst_dim] = k * out[dst_dim]
+    out[dim] = k * src[dim]
+  return max(math.prod(src), math.prod(out)) * itemsize
+
+
+def _nests(n: int, have: Sequence[str], want: Sequence[str], mesh: MeshShape) -> bool:
+  """Even dims always regroup exactly; uneven ones only along a shared prefix of axes."""
+  counts = [math.prod(mesh[a] for a in axes) for axes in (have, want)]
+  if all(n % c == 0 for c in counts):
+    return True
+  common = 0
+  while common < min(len(have), len(want)) and have[common] == want[common]:
+    common += 1
+  base = math.prod(mesh[a] for a in have[:common])
+  return (gathers_exactly(n, counts[0], counts[0] // base)
+          and splits_exactly(n, base, counts[1] // base))

@@ -1,0 +1,57 @@
+"""Uneven partitioning: a dim of size N split n ways is held padded to n * ceil(N/n), the
+padding at the end (reshard.py keeps regroupings exact). Padding may hold anything until an op
+mixes elements along that dim: then it is replaced by the op's identity (0 for sums and for both
+operands of a contraction, -inf/min for max, +inf/max for min, True for and, False for or).
+Elementwise chains never mask. Ops that need a dim whole get it gathered, padding dropped."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from spmd.partition.execution import Execution
+from spmd.partition.ir import Op, Value
+from spmd.partition.local import shard_index
+from spmd.partition.rules.factors import FactorKind
+from spmd.partition.sharding import MeshShape, TensorSharding
+
+
+def identity(combiner: str, dtype: Any) -> Any:
+  """The value that leaves a ``combiner`` reduction unchanged."""
+  dtype = jnp.dtype(dtype)
+  if combiner == "sum":
+    return jnp.zeros((), dtype)
+  if dtype == jnp.bool_:
+    return jnp.asarray(combiner == "min")
+  big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+  small = -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+  return jnp.asarray(small if combiner == "max" else big, dtype)
+
+
+def valid_rows(shape: tuple[int, ...], dim: int, size: int, s: TensorSharding,
+               local: int) -> jax.Array:
+  """Mask of the local block: True where the element along ``dim`` is inside the array."""
+  rows = lax.broadcasted_iota(jnp.int32, shape, dim) + shard_index(s.dims[dim]) * local
+  return rows < size
+
+
+def mask_padding(ex: Execution, op: Op, reads: tuple, args: list, mesh: MeshShape) -> list:
+  """Replaces padding with the op's identity along every uneven dim it reduces over."""
+  rule = ex.constraint.rule
+  out = list(args)
+  for k, (x, tf, read) in enumerate(zip(op.inputs, rule.operands, reads)):
+    if not isinstance(x, Value) or tf is None or read is None:
+      continue
+    for d, factors in enumerate(tf):
+      n = x.shape[d]
+      count = read.shards(d, mesh)
+      reduced = any(rule.kinds[f] is FactorKind.REDUCTION and ex.factor_axes[f] for f in factors)
+      if reduced and n % count:
+        local = -(-n // count)
+        keep = valid_rows(out[k].shape, d, n, read, local)
+        out[k] = jnp.where(keep, out[k], identity(rule.combiner, out[k].dtype))
+  return out
+
+
