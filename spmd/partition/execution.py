@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from spmd.partition.halo import Halo, Hop, geometry, hops, plan_halo, plan_scatter_halos
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import plan_reshard
-from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors
+from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
 Price = Callable[[Value, TensorSharding], int]  # bytes to make a value available as a sharding
@@ -28,6 +29,7 @@ class Execution:
   factor_axes: tuple[Axes, ...]
   needs: tuple[TensorSharding | None, ...]      # per operand: the sharding the op runs on
   produces: tuple[TensorSharding | None, ...]   # per result: local results (maybe partial)
+  halos: tuple[Halo, ...] = ()                  # neighbour exchanges of sharded windowed dims
 
   @property
   def partial_axes(self) -> Axes:
@@ -36,10 +38,25 @@ class Execution:
     return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                  for a in self.factor_axes[f])
 
+  def halo_exchanges(self, mesh: MeshShape) -> list[tuple[Halo, tuple, Hop, int]]:
+    """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
+    bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
+    out = []
+    widened: dict[int, tuple[list[int], tuple]] = {}
+    for h in self.halos:
+      x = self.constraint.operands[h.operand]
+      shape, chain = widened.setdefault(
+          h.operand, (list(self.needs[h.operand].local_shape(x.shape, mesh)), ()))
+      row = math.prod(n for d, n in enumerate(shape) if d != h.dim) * x.dtype.itemsize
+      out.extend((h, chain, hop, hop[-1] * row) for hop in hops(h))
+      shape[h.dim] = h.length
+      widened[h.operand] = (shape, chain + (geometry(h),))
+    return out
+
 
 def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
                    price: Price) -> Execution:
-  options = [_execute(c, axes) for axes in dict.fromkeys(
+  options = [_execute(c, axes, mesh) for axes in dict.fromkeys(
       _factor_axes(c, shardings, mesh, reductions_first) for reductions_first in (True, False))]
   if len(options) == 1:
     return options[0]
@@ -55,7 +72,7 @@ def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mes
   return min(options, key=cost)
 
 
-def _execute(c: Constraint, axes: tuple[Axes, ...]) -> Execution:
+def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Execution:
   rule = c.rule
   needs = tuple(None if v is None or tf is None else _sharding(tf, axes)
                 for v, tf in zip(c.operands, rule.operands))
@@ -65,7 +82,18 @@ def _execute(c: Constraint, axes: tuple[Axes, ...]) -> Execution:
                    TensorSharding(_sharding(tf, axes).dims, partial,
                                   rule.combiner if partial else "sum")
                    for v, tf in zip(c.results, rule.results))
-  return Execution(c, axes, needs, produces)
+  halos = tuple(h for w in rule.windows if axes[w.factor]
+                for h in _halos(w, axes[w.factor], mesh))
+  return Execution(c, axes, needs, produces, halos)
+
+
+def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Halo, ...] | None:
+  """The exchanges a sharded windowed dim needs; None if gathering it moves no more."""
+  if w.scatter:
+    planned = plan_scatter_halos(w.dim, axes, w.window, _count(axes, mesh))
+    return None if planned is None else planned[:2]
+  halo = plan_halo(w.operand, w.dim, axes, w.window, _count(axes, mesh))
+  return None if halo is None else (halo,)
 
 
 def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
@@ -90,7 +118,14 @@ def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh:
     final[f] = prefix_without(chosen[f], used)
     used.update(final[f])
   _drop_inexpressible(final, rule, mesh)
+  for w in rule.windows:  # a halo as wide as the rest of the array: gather instead
+    if final[w.factor] and _halos(w, final[w.factor], mesh) is None:
+      final[w.factor] = ()
   return tuple(final)
+
+
+def _count(axes: Axes, mesh: MeshShape) -> int:
+  return math.prod(mesh[a] for a in axes)
 
 
 def _projections(values, tensors, shardings, rule: OpShardingRule,
@@ -117,17 +152,22 @@ def _agreed(cands: list[tuple[int, Axes]]) -> Axes:
 
 def _drop_inexpressible(axes: list[Axes], rule: OpShardingRule, mesh: MeshShape) -> None:
   """In a merged dim [f1, f2], f2 can only be sharded if f1 is sharded completely, and no factor
-  of a merged dim may be split unevenly (its padding would land inside the merged dim)."""
-  for tf in rule.tensors():
-    for factors in tf or ():
-      if len(factors) < 2:
-        continue
-      for f in factors:
-        if rule.sizes[f] % math.prod(mesh[a] for a in axes[f]):
-          axes[f] = ()
-      for major, minor in zip(factors, factors[1:]):
-        if math.prod(mesh[a] for a in axes[major]) != rule.sizes[major]:
-          axes[minor] = ()
+  of a merged dim may be split unevenly (its padding would land inside the merged dim).
+  Repeats until nothing changes: dropping a factor in one tensor can strand a minor factor of
+  another tensor's merged dim that was already checked."""
+  changed = True
+  while changed:
+    changed = False
+    for tf in rule.tensors():
+      for factors in tf or ():
+        if len(factors) < 2:
+          continue
+        for f in factors:
+          if axes[f] and rule.sizes[f] % math.prod(mesh[a] for a in axes[f]):
+            axes[f], changed = (), True
+        for major, minor in zip(factors, factors[1:]):
+          if axes[minor] and math.prod(mesh[a] for a in axes[major]) != rule.sizes[major]:
+            axes[minor], changed = (), True
 
 
 def _sharding(tf: TensorFactors, axes: tuple[Axes, ...] | list[Axes]) -> TensorSharding:

@@ -8,7 +8,7 @@ into owned rows) have an entry in ``LOCAL``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -17,7 +17,10 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
+from spmd.partition.devices import shard_index
+from spmd.partition.halo import Halo, geometry, halo_piece, span
 from spmd.partition.ir import Op
+from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
 
@@ -30,6 +33,21 @@ class Local:
   writes: tuple[TensorSharding, ...]
   partial_axes: Axes  # axes of the op's sharded reduction factors: its results are partial
   mesh: MeshShape
+  halos: tuple[Halo, ...] = ()
+  received: dict = field(default_factory=dict)  # halo pieces already exchanged (schedule.py)
+
+  def with_halos(self, args: list, *pad_values: Any) -> tuple[list, set[int]]:
+    """Operands widened by their halos and cut to this shard's span along each halo dim
+    (``pad_values[k]`` fills operand k's rows outside the array)."""
+    args = list(args)
+    chains: dict[int, tuple] = {}
+    for h in self.halos:
+      chain = chains.get(h.operand, ())
+      prefix = halo_piece(self.op.inputs[h.operand], self.reads[h.operand], chain, ())
+      args[h.operand] = span(args[h.operand], h, shard_index(h.axes), pad_values[h.operand],
+                             self.mesh, self.received, prefix)
+      chains[h.operand] = chain + (geometry(h),)
+    return args, {h.dim for h in self.halos}
 
   def shape(self, x: Any, s: TensorSharding) -> tuple[int, ...]:
     return s.local_shape(x.aval.shape, self.mesh)
@@ -40,13 +58,6 @@ class Local:
   def offset(self, s: TensorSharding, dim: int, local_size: int) -> jax.Array:
     """Global index of this device's first element along ``dim``."""
     return shard_index(s.dims[dim]) * local_size
-
-
-def shard_index(axes: Axes) -> jax.Array:
-  """This device's block along a dim split over ``axes`` (major to minor)."""
-  if not axes:
-    return jnp.int32(0)
-  return lax.axis_index(axes if len(axes) > 1 else axes[0])
 
 
 LocalFn = Callable[[Local, list], list]
@@ -101,13 +112,52 @@ def _iota(local: Local, args: list) -> list:
 
 @_register("slice")
 def _slice(local: Local, args: list) -> list:
-  p, x = local.op.params, local.op.inputs[0]
-  shape = local.shape(x, local.reads[0])
+  p = local.op.params
+  args, _ = local.with_halos(args, 0)
   start, limit = list(p["start_indices"]), list(p["limit_indices"])
   for d, axes in enumerate(local.reads[0].dims):
-    if axes:  # a pass-through dim: whole in the global slice, so whole locally
-      start[d], limit[d] = 0, shape[d]
+    if axes:  # a pass-through dim (whole in the slice) or a halo dim (the span is the window)
+      start[d], limit[d] = 0, args[0].shape[d]
   return bind(local.op, args, start_indices=tuple(start), limit_indices=tuple(limit))
+
+
+@_register("pad")
+def _pad(local: Local, args: list) -> list:
+  args, halo_dims = local.with_halos(args, args[1])
+  config = [(0, 0, 0) if d in halo_dims else c for d, c in enumerate(local.op.params["padding_config"])]
+  return bind(local.op, args, padding_config=tuple(config))
+
+
+@_register("select_and_scatter_add")
+def _select_and_scatter_add(local: Local, args: list) -> list:
+  """Runs on the windows covering this shard's rows, then keeps its own rows."""
+  op, p = local.op, local.op.params
+  never_selected = "max" if op.params["select_prim"] in (lax.ge_p, lax.gt_p) else "min"
+  args, halo_dims = local.with_halos(args, 0, identity(never_selected, args[1].dtype))
+  if not halo_dims:
+    return bind(op, args)
+  padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))
+  (out,) = bind(op, args, padding=padding)
+  for h in local.halos:
+    if h.operand == 1:
+      shard = shard_index(h.axes)
+      out = lax.dynamic_slice_in_dim(out, h.block * shard - h.first_position(shard), h.block,
+                                     h.dim)
+  return [out]
+
+
+@_register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
+def _reduce_window(local: Local, args: list) -> list:
+  op, p = local.op, local.op.params
+  pad_value = args[1] if op.primitive == "reduce_window" else identity(
+      {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}[
+          op.primitive], args[0].dtype)
+  args, halo_dims = local.with_halos(args, pad_value)
+  if not halo_dims:
+    return bind(op, args)
+  padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))
+  base = tuple(1 if d in halo_dims else b for d, b in enumerate(p["base_dilation"]))
+  return bind(op, args, padding=padding, base_dilation=base)
 
 
 @_register("dynamic_slice")
@@ -121,12 +171,18 @@ def _conv(local: Local, args: list) -> list:
   p, op = local.op.params, local.op
   dn = p["dimension_numbers"]
   lhs = local.shape(op.inputs[0], local.reads[0])
+  args, halo_dims = local.with_halos(args, 0)
+  spatial = dn.lhs_spec[2:]
+  params = {"padding": tuple((0, 0) if d in halo_dims else tuple(c)
+                             for d, c in zip(spatial, p["padding"])),
+            "lhs_dilation": tuple(1 if d in halo_dims else b
+                                  for d, b in zip(spatial, p["lhs_dilation"]))}
   if p["feature_group_count"] > 1:
     rhs = local.shape(op.inputs[1], local.reads[1])
-    return bind(op, args, feature_group_count=lhs[dn.lhs_spec[1]] // rhs[dn.rhs_spec[1]])
+    params["feature_group_count"] = lhs[dn.lhs_spec[1]] // rhs[dn.rhs_spec[1]]
   if p["batch_group_count"] > 1:
-    return bind(op, args, batch_group_count=lhs[dn.lhs_spec[0]] // local.out_shape()[dn.out_spec[0]])
-  return bind(op, args)
+    params["batch_group_count"] = lhs[dn.lhs_spec[0]] // local.out_shape()[dn.out_spec[0]]
+  return bind(op, args, **params)
 
 
 @_register("random_bits")

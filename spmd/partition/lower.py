@@ -17,7 +17,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.partition.ir import Atom, Literal, Value
-from spmd.partition.local import Local, run_local, shard_index
+from spmd.partition.devices import permute, shard_index
+from spmd.partition.local import Local, run_local
 from spmd.partition.uneven import mask_padding
 from spmd.partition.planner import Analysis
 from spmd.partition.reshard import ReshardStep
@@ -112,7 +113,7 @@ class _Interpreter:
       x = lax.all_to_all(x, axes, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True)
       return _cut(x, step.dim, after[step.dim])
     if step.kind == "collective-permute":
-      return lax.ppermute(x, tuple(step.before.dims[step.dim]), self._perm(step))
+      return permute(x, step.before.dims[step.dim], self._perm(step), self.mesh)
     if step.kind == "dynamic-slice":
       size = after[step.dim]
       x = _pad_to(x, step.dim, size * math.prod(self.mesh[a] for a in step.axes))
@@ -144,7 +145,8 @@ class _Interpreter:
       else:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
-        outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh), args)
+        outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh, ex.halos,
+                               env), args)
       for v, w, out in zip(s.op.outputs, s.writes, outs):
         env[(v, w)] = out
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from spmd.partition.annotation import annotation_spec
+from spmd.partition.halo import Halo
 from spmd.partition.ir import Op, Program, Value
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
 from spmd.partition.reshard import ReshardStep
@@ -99,8 +100,9 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
     transfers = s.transfers + [t for r in s.regions for t in r.exit]
     by_op[s.op.index] = [_collective(step, s.op, t) for t in transfers for step in t.steps
                          if step.communicates]
+    by_op[s.op.index] += [_halo_collective(h, b, s) for h, b in s.halo_hops]
     if s.execution is not None and s.op not in prop.unsupported:
-      warnings.extend(_whole_dim_warnings(s))
+      warnings.extend(_whole_dim_warnings(s, prop.shardings))
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
           for op, depth in _ops_with_depth(program)]
   for k, atom in enumerate(program.outputs):
@@ -134,7 +136,14 @@ def _collective(step: ReshardStep, op: Op | None, t: Transfer) -> Collective:
                     str(step.before), str(step.after))
 
 
-def _whole_dim_warnings(s: ScheduledOp) -> list[str]:
+def _halo_collective(h: Halo, nbytes: int, s: ScheduledOp) -> Collective:
+  x = s.op.inputs[h.operand]
+  read = str(s.reads[h.operand])
+  return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
+                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read)
+
+
+def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
   """An op that needs a sharded dim whole (sort axis, windowed dim without halo)."""
   rule, op = s.execution.constraint.rule, s.op
   out = []
@@ -150,6 +159,13 @@ def _whole_dim_warnings(s: ScheduledOp) -> list[str]:
         out.append(f"op {op.index} ({op.primitive} at {op.source}) needs dim {step.dim} of "
                    f"operand {k} whole: all-gather over {','.join(step.axes)} moves "
                    f"{step.bytes} bytes per device")
+  result, factors = s.op.outputs[0], rule.results[0] or ()
+  for w in rule.windows:
+    read = s.reads[w.operand]
+    wanted = any(w.factor in fs and shardings[result].dims[d] for d, fs in enumerate(factors))
+    if wanted and not s.execution.factor_axes[w.factor]:
+      out.append(f"op {op.index} ({op.primitive} at {op.source}): the halo of dim {w.dim} would be "
+                 f"as wide as the rest of the array, so it is gathered whole ({read})")
   return out
 
 

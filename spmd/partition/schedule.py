@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from spmd.partition.execution import Execution, plan_execution
+from spmd.partition.halo import Halo, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
@@ -48,6 +49,7 @@ class ScheduledOp:
   writes: tuple[TensorSharding, ...]             # per output
   execution: Execution | None = None             # None for control flow
   regions: tuple[RegionSchedule, ...] = ()
+  halo_hops: tuple[tuple[Halo, int], ...] = ()   # ppermutes of halo pieces not received before
 
 
 @dataclass(eq=False)
@@ -79,6 +81,7 @@ class _Scheduler:
       self.by_op.setdefault(c.op.index, []).append(c)
     self.partial_ok = _partial_ok(program, self.by_op)
     self.forms: dict[Value, list[TensorSharding]] = {}
+    self.halo_pieces: set[tuple] = set()
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
 
   # --- forms ------------------------------------------------------------------------------------
@@ -132,7 +135,13 @@ class _Scheduler:
         self.acquire(x, need, transfers, f"operand {k}")
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
-    return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex)
+    new_hops = []
+    for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh):
+      key = halo_piece(op.inputs[halo.operand], reads[halo.operand], chain, hop)
+      if key not in self.halo_pieces:
+        self.halo_pieces.add(key)
+        new_hops.append((halo, nbytes))
+    return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex, (), tuple(new_hops))
 
   def _order(self, axis: str) -> int:
     return list(self.mesh).index(axis)

@@ -5,7 +5,6 @@ operands of a contraction, -inf/min for max, +inf/max for min, True for and, Fal
 Elementwise chains never mask. Ops that need a dim whole get it gathered, padding dropped."""
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,21 +12,10 @@ from jax import lax
 
 from spmd.partition.execution import Execution
 from spmd.partition.ir import Op, Value
-from spmd.partition.local import shard_index
+from spmd.partition.devices import shard_index
 from spmd.partition.rules.factors import FactorKind
+from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import MeshShape, TensorSharding
-
-
-def identity(combiner: str, dtype: Any) -> Any:
-  """The value that leaves a ``combiner`` reduction unchanged."""
-  dtype = jnp.dtype(dtype)
-  if combiner == "sum":
-    return jnp.zeros((), dtype)
-  if dtype == jnp.bool_:
-    return jnp.asarray(combiner == "min")
-  big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
-  small = -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
-  return jnp.asarray(small if combiner == "max" else big, dtype)
 
 
 def valid_rows(shape: tuple[int, ...], dim: int, size: int, s: TensorSharding,

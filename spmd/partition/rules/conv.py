@@ -1,13 +1,14 @@
 """conv_general_dilated: batch and output features pass, input features are a reduction,
 grouped convs split features into (group, per-group) factors, and spatial dims with a real
-window are permutation factors (halo exchange, or whole)."""
+window are halo factors shared by input and output (the kernel's spatial dims stay whole)."""
 from __future__ import annotations
 
+from spmd.partition.halo import Window
 from spmd.partition.ir import Op
 from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
-PERM, WHOLE, REDUCE = FactorKind.PERMUTATION, FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
+WHOLE, REDUCE = FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
 
 
 @register("conv_general_dilated")
@@ -46,7 +47,8 @@ def conv_general_dilated(op: Op) -> OpShardingRule:
     if trivial:
       lhs_dims[ld] = out_dims[od] = b.factor(lhs[ld])
     else:
-      lhs_dims[ld] = b.factor(lhs[ld], PERM)
-      out_dims[od] = b.factor(out[od], WHOLE)
+      window = Window(lhs[ld], out[od], rhs[rd], strides[i], *padding[i], lhs_dil[i],
+                      p["rhs_dilation"][i])
+      lhs_dims[ld] = out_dims[od] = b.windowed(0, ld, window)
       rhs_dims[rd] = b.factor(rhs[rd], WHOLE)
   return b.build([lhs_dims, rhs_dims], [out_dims])

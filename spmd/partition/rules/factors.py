@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from spmd.partition.halo import Window
+
 DimFactors = tuple[int, ...]          # factor ids of one dim, major to minor; () = never sharded
 TensorFactors = tuple[DimFactors, ...]
 
@@ -13,7 +15,8 @@ class FactorKind(enum.Enum):
   PASS = "pass"                          # same index space in operands and results
   REDUCTION = "reduction"                # summed away: sharded → partial sums (psum)
   NEED_REPLICATION = "need_replication"  # the op must see the whole factor (all-gather)
-  PERMUTATION = "permutation"            # elements move along it (halo exchange or all-gather)
+  PERMUTATION = "permutation"            # elements move along it (the op needs it whole)
+  HALO = "halo"                          # a window slides along it: shards exchange halos
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class OpShardingRule:
   combiner: str = "sum"       # how partial results of sharded reduction factors combine
   linear_in: tuple[int, ...] = ()  # operands a pending partial sum may flow through (rules/linear)
   additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
+  windows: tuple[WindowedDim, ...] = ()  # geometry of the HALO factors
 
   @property
   def num_factors(self) -> int:
@@ -41,12 +45,24 @@ class OpShardingRule:
 
 
 
+@dataclass(frozen=True)
+class WindowedDim:
+  """A HALO factor: dim ``dim`` of operand ``operand`` is read through ``window``."""
+
+  factor: int
+  operand: int
+  dim: int
+  window: Window
+  scatter: bool = False  # select_and_scatter_add: the window scatters back (halo.py)
+
+
 @dataclass
 class RuleBuilder:
   """Creates factors and assembles the rule; factors of size 1 are dropped (never sharded)."""
 
   sizes: list[int] = field(default_factory=list)
   kinds: list[FactorKind] = field(default_factory=list)
+  windows: list[WindowedDim] = field(default_factory=list)
 
   def factor(self, size: int, kind: FactorKind = FactorKind.PASS) -> int | None:
     if size == 1:
@@ -55,6 +71,13 @@ class RuleBuilder:
     self.kinds.append(kind)
     return len(self.sizes) - 1
 
+  def windowed(self, operand: int, dim: int, window: Window, scatter: bool = False) -> int | None:
+    """A HALO factor shared by the operand dim and the result dim it slides along."""
+    f = self.factor(window.size if scatter else window.out, FactorKind.HALO)
+    if f is not None and window.size > 1:
+      self.windows.append(WindowedDim(f, operand, dim, window, scatter))
+    return f
+
   def factors(self, sizes: Sequence[int], kind: FactorKind = FactorKind.PASS) -> list[int | None]:
     return [self.factor(n, kind) for n in sizes]
 
@@ -62,7 +85,8 @@ class RuleBuilder:
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
             combiner: str = "sum") -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
-                          tuple(self.sizes), tuple(self.kinds), pass_through, combiner)
+                          tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
+                          windows=tuple(self.windows))
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

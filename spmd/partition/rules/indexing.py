@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from spmd.partition.halo import Window
 from spmd.partition.ir import Op, Value
 from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
@@ -26,20 +27,25 @@ def _moved_dims(b: RuleBuilder, operands: Sequence[tuple[int, ...]], result: tup
 
 @register("slice")
 def slice_(op: Op) -> OpShardingRule:
-  shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
-  moved = {d for d in range(len(shape)) if out[d] != shape[d]}
+  """A sliced dim is a window of one row with the slice's stride: a halo factor."""
+  p, shape, out = op.params, op.inputs[0].aval.shape, op.outputs[0].shape
+  strides = p["strides"] or (1,) * len(shape)
   b = RuleBuilder()
-  (operand,), result = _moved_dims(b, [shape], out, moved)
-  return b.build([operand], [result], pass_through=not moved)
+  dims = [b.factor(n) if out[d] == n else b.windowed(0, d, Window(
+      n, out[d], 1, strides[d], -p["start_indices"][d], p["limit_indices"][d] - n))
+          for d, n in enumerate(shape)]
+  return b.build([dims], [dims], pass_through=out == shape)
 
 
 @register("pad")
 def pad(op: Op) -> OpShardingRule:
+  """A padded dim is a window of one row over the (interior-)dilated, edge-padded operand."""
   shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
-  moved = {d for d, cfg in enumerate(op.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
   b = RuleBuilder()
-  (operand,), result = _moved_dims(b, [shape], out, moved)
-  return b.build([operand, None if not isinstance(op.inputs[1], Value) else []], [result])
+  dims = [b.factor(n) if tuple(cfg) == (0, 0, 0) else b.windowed(0, d, Window(
+      n, out[d], 1, 1, cfg[0], cfg[1], cfg[2] + 1))
+          for d, (n, cfg) in enumerate(zip(shape, op.params["padding_config"]))]
+  return b.build([dims, None if not isinstance(op.inputs[1], Value) else []], [dims])
 
 
 @register("rev")

@@ -5,6 +5,10 @@ argmax/argmin need the whole reduced dim on one device, and so do cumulative ops
 """
 from __future__ import annotations
 
+from typing import Any
+
+import jax.numpy as jnp
+
 from spmd.partition.ir import Op
 from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
@@ -33,3 +37,15 @@ def cumulative(op: Op) -> OpShardingRule:
   dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["axis"] else FactorKind.PASS)
           for d, n in enumerate(shape)]
   return b.build([dims], [dims])
+
+
+def identity(combiner: str, dtype: Any) -> Any:
+  """The value that leaves a ``combiner`` reduction unchanged."""
+  dtype = jnp.dtype(dtype)
+  if combiner == "sum":
+    return jnp.zeros((), dtype)
+  if dtype == jnp.bool_:
+    return jnp.asarray(combiner == "min")
+  big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+  small = -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+  return jnp.asarray(small if combiner == "max" else big, dtype)

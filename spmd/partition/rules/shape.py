@@ -67,8 +67,8 @@ def reshape(op: Op) -> OpShardingRule:
       j += 1
       rj = dst[j] if j < len(dst) else 1
       continue
-    if ri % rj and rj % ri:
-      break  # no common major factor: the rest stays replicated
+    if ri == 0 or rj == 0 or (ri % rj and rj % ri):
+      break  # a zero-size dim, or no common major factor: the rest stays replicated
     size = min(ri, rj)
     f = b.factor(size)
     src_dims[i].append(f)
