@@ -112,13 +112,24 @@ def _iota(local: Local, args: list) -> list:
 
 @_register("slice")
 def _slice(local: Local, args: list) -> list:
-  p = local.op.params
+  p, op = local.op.params, local.op
   args, _ = local.with_halos(args, 0)
+  x = args[0]
   start, limit = list(p["start_indices"]), list(p["limit_indices"])
+  strides = list(p["strides"] or (1,) * x.ndim)
+  owned = []
   for d, axes in enumerate(local.reads[0].dims):
-    if axes:  # a pass-through dim (whole in the slice) or a halo dim (the span is the window)
-      start[d], limit[d] = 0, args[0].shape[d]
-  return bind(local.op, args, start_indices=tuple(start), limit_indices=tuple(limit))
+    if axes and op.outputs[0].shape[d] == 1 and op.inputs[0].aval.shape[d] > 1:
+      owned.append(d)  # one row of a sharded dim: taken by its owner (rules: a reduction)
+      rel = start[d] - shard_index(axes) * x.shape[d]
+      mine = (rel >= 0) & (rel < x.shape[d])
+      x = jnp.where(mine, lax.dynamic_slice_in_dim(x, jnp.clip(rel, 0, x.shape[d] - 1), 1, d),
+                    jnp.zeros((), x.dtype))
+    if axes:  # a pass-through dim, a halo dim (the span is the window) or an owned row
+      start[d], limit[d] = 0, x.shape[d]
+      strides[d] = 1 if d in owned else strides[d]
+  return bind(op, [x], start_indices=tuple(start), limit_indices=tuple(limit),
+              strides=None if p["strides"] is None else tuple(strides))
 
 
 @_register("pad")
@@ -126,6 +137,32 @@ def _pad(local: Local, args: list) -> list:
   args, halo_dims = local.with_halos(args, args[1])
   config = [(0, 0, 0) if d in halo_dims else c for d, c in enumerate(local.op.params["padding_config"])]
   return bind(local.op, args, padding_config=tuple(config))
+
+
+@_register("concatenate")
+def _concatenate(local: Local, args: list) -> list:
+  """Along a sharded dim each operand's rows for this shard come from its halo span (or, for an
+  operand held whole, from padding it into place); rows are taken by their global index."""
+  op, d = local.op, local.op.params["dimension"]
+  axes = local.writes[0].dims[d]
+  if not axes:
+    return bind(op, args)
+  args, _ = local.with_halos(args, *([0] * len(args)))
+  shape = local.out_shape()
+  block, shards = shape[d], math.prod(local.mesh[a] for a in axes)
+  rows = lax.broadcasted_iota(jnp.int32, shape, d) + shard_index(axes) * block
+  out, offset = jnp.zeros(shape, op.outputs[0].dtype), 0
+  windowed = {h.operand for h in local.halos}
+  for k, (x, arg) in enumerate(zip(op.inputs, args)):
+    n = x.aval.shape[d]
+    if k not in windowed:  # held whole: pad it into the full dim, keep this shard's block
+      config = [(0, 0, 0)] * arg.ndim
+      config[d] = (offset, block * shards - offset - n, 0)
+      arg = lax.dynamic_slice_in_dim(lax.pad(arg, jnp.zeros((), arg.dtype), config),
+                                     shard_index(axes) * block, block, d)
+    out = jnp.where((rows >= offset) & (rows < offset + n), arg, out)
+    offset += n
+  return [out]
 
 
 @_register("select_and_scatter_add")

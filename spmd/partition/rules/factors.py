@@ -71,9 +71,12 @@ class RuleBuilder:
     self.kinds.append(kind)
     return len(self.sizes) - 1
 
-  def windowed(self, operand: int, dim: int, window: Window, scatter: bool = False) -> int | None:
-    """A HALO factor shared by the operand dim and the result dim it slides along."""
-    f = self.factor(window.size if scatter else window.out, FactorKind.HALO)
+  def windowed(self, operand: int, dim: int, window: Window, scatter: bool = False,
+               factor: int | None = None) -> int | None:
+    """A HALO factor shared by the operand dim and the result dim it slides along (``factor``:
+    another operand's window over an existing one)."""
+    f = factor if factor is not None else self.factor(
+        window.size if scatter else window.out, FactorKind.HALO)
     if f is not None and window.size > 1:
       self.windows.append(WindowedDim(f, operand, dim, window, scatter))
     return f

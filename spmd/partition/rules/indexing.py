@@ -27,14 +27,26 @@ def _moved_dims(b: RuleBuilder, operands: Sequence[tuple[int, ...]], result: tup
 
 @register("slice")
 def slice_(op: Op) -> OpShardingRule:
-  """A sliced dim is a window of one row with the slice's stride: a halo factor."""
+  """A sliced dim is a window of one row with the slice's stride: a halo factor. A single row
+  taken from a sharded dim is a reduction instead: its owner extracts it, the rest add zeros."""
   p, shape, out = op.params, op.inputs[0].aval.shape, op.outputs[0].shape
   strides = p["strides"] or (1,) * len(shape)
   b = RuleBuilder()
-  dims = [b.factor(n) if out[d] == n else b.windowed(0, d, Window(
-      n, out[d], 1, strides[d], -p["start_indices"][d], p["limit_indices"][d] - n))
-          for d, n in enumerate(shape)]
-  return b.build([dims], [dims], pass_through=out == shape)
+  operand, result = [], []
+  for d, n in enumerate(shape):
+    if out[d] == n:
+      f = b.factor(n)
+      operand.append(f)
+      result.append(f)
+    elif out[d] == 1 and _masked_reduction_ok(op):
+      operand.append(b.factor(n, REDUCE))
+      result.append(None)
+    else:
+      f = b.windowed(0, d, Window(n, out[d], 1, strides[d], -p["start_indices"][d],
+                                  p["limit_indices"][d] - n))
+      operand.append(f)
+      result.append(f)
+  return b.build([operand], [result], pass_through=out == shape)
 
 
 @register("pad")
@@ -58,10 +70,20 @@ def rev(op: Op) -> OpShardingRule:
 
 @register("concatenate")
 def concatenate(op: Op) -> OpShardingRule:
-  dim = op.params["dimension"]
+  """Operand k reads the concatenated dim through a window of one row shifted by its offset: a
+  halo factor over the result that every operand longer than one row shares."""
+  dim, out = op.params["dimension"], op.outputs[0].shape
   b = RuleBuilder()
-  operands, result = _moved_dims(b, [x.aval.shape for x in op.inputs], op.outputs[0].shape, {dim})
-  return b.build(operands, [result])
+  shared = {d: b.factor(n) for d, n in enumerate(out) if d != dim}
+  joined = b.factor(out[dim], FactorKind.HALO)
+  operands, offset = [], 0
+  for k, x in enumerate(op.inputs):
+    n = x.aval.shape[dim]
+    f = b.windowed(k, dim, Window(n, out[dim], lo=offset, hi=out[dim] - offset - n),
+                   factor=joined) if n > 1 else None
+    operands.append([f if d == dim else shared[d] for d in range(len(out))])
+    offset += n
+  return b.build(operands, [[joined if d == dim else shared[d] for d in range(len(out))]])
 
 
 @register("stack")
