@@ -1,6 +1,8 @@
 """conv_general_dilated: batch and output features pass, input features are a reduction,
 grouped convs split features into (group, per-group) factors, and spatial dims with a real
-window are halo factors shared by input and output (the kernel's spatial dims stay whole)."""
+window are halo factors shared by input and output (the kernel's spatial dims stay whole), or,
+when the window is larger than the output (weight gradients), reductions shared by input and
+window with a halo on the input."""
 from __future__ import annotations
 
 from spmd.partition.halo import Window
@@ -46,6 +48,15 @@ def conv_general_dilated(op: Op) -> OpShardingRule:
                and lhs_dil[i] == 1)
     if trivial:
       lhs_dims[ld] = out_dims[od] = b.factor(lhs[ld])
+    elif rhs[rd] > out[od]:
+      # A weight-gradient conv: the window (the cotangent's spatial dim) is the big dim. It is a
+      # reduction shared with the input's dim; each device convolves its window rows with the
+      # input rows they read (a halo: output positions and window swap roles) and sums.
+      f = b.factor(rhs[rd], REDUCE)
+      b.windowed(0, ld, Window(lhs[ld], rhs[rd], out[od], p["rhs_dilation"][i], *padding[i],
+                               lhs_dil[i], strides[i]), factor=f)
+      lhs_dims[ld] = rhs_dims[rd] = f
+      out_dims[od] = b.factor(out[od], WHOLE)
     else:
       window = Window(lhs[ld], out[od], rhs[rd], strides[i], *padding[i], lhs_dil[i],
                       p["rhs_dilation"][i])
