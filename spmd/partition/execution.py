@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd.partition.halo import Halo, Hop, geometry, hops, plan_halo, plan_scatter_halos
+from spmd.partition.halo import (Halo, Hop, geometry, hops, plan_halo, plan_mirror,
+                                 plan_scatter_halos)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import plan_reshard
@@ -89,9 +90,12 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
 
 def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Halo, ...] | None:
   """The exchanges a sharded windowed dim needs; None if gathering it moves no more."""
-  if w.scatter:
+  if w.mode == "scatter":
     planned = plan_scatter_halos(w.dim, axes, w.window, _count(axes, mesh))
     return None if planned is None else planned[:2]
+  if w.mode == "reverse":
+    m = plan_mirror(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
+    return None if m is None else (m,)
   halo = plan_halo(w.operand, w.dim, axes, w.window, _count(axes, mesh))
   return None if halo is None else (halo,)
 

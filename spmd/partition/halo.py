@@ -137,21 +137,58 @@ def plan_scatter_halos(dim: int, axes: Axes, window: Window,
   return source, operand, count
 
 
+@dataclass(frozen=True)
+class Mirror:
+  """rev along a dim split evenly: shard i takes shard n-1-i's block (then reverses it)."""
+
+  operand: int
+  dim: int
+  axes: Axes
+  size: int
+  shards: int
+
+  @property
+  def block(self) -> int:
+    return self.size // self.shards
+
+  @property
+  def length(self) -> int:
+    return self.block
+
+
+def plan_mirror(operand: int, dim: int, axes: Axes, size: int, shards: int) -> Mirror | None:
+  """Uneven blocks do not mirror onto blocks: those are gathered instead."""
+  return Mirror(operand, dim, axes, size, shards) if size % shards == 0 else None
+
+
 Hop = tuple[int, int, Axes, int, str, int, int]  # dim, shards, axes, block, side, hop, rows
 
 
-def hops(halo: Halo) -> list[Hop]:
+def hops(halo: Halo | Mirror) -> list[Hop]:
   """Every ppermute of the exchange: rows from the shard ``hop`` places to the left (they end
-  the sender's block) or to the right (they start it)."""
+  the sender's block) or to the right (they start it), or the mirrored shard's whole block."""
   base = (halo.dim, halo.shards, halo.axes, halo.block)
+  if isinstance(halo, Mirror):
+    return [base + ("mirror", 0, halo.block)]
   return ([base + ("left", hop, rows) for hop, rows in enumerate(halo.hop_rows(halo.left), 1)]
           + [base + ("right", hop, rows) for hop, rows in enumerate(halo.hop_rows(halo.right), 1)])
 
 
-def geometry(halo: Halo) -> tuple:
+def geometry(halo: Halo | Mirror) -> tuple:
   """What the widened buffer depends on (the operand index aside)."""
+  if isinstance(halo, Mirror):
+    return ("mirror", halo.dim, halo.axes, halo.size, halo.shards)
   return (halo.dim, halo.axes, halo.size, halo.shards, halo.left, halo.right, halo.length,
           halo.first, halo.dilation)
+
+
+def mirror(x: jax.Array, m: Mirror, mesh: MeshShape, received: dict, prefix: tuple) -> jax.Array:
+  """The mirrored shard's block (received once per buffer, as halo pieces are)."""
+  (hop,) = hops(m)
+  key = prefix + hop
+  if key not in received:
+    received[key] = permute(x, m.axes, [(j, m.shards - 1 - j) for j in range(m.shards)], mesh)
+  return received[key]
 
 
 def halo_piece(value: Any, read: Any, chain: tuple, hop: tuple) -> tuple:

@@ -18,7 +18,7 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
-from spmd.partition.halo import Halo, geometry, halo_piece, span
+from spmd.partition.halo import Halo, geometry, halo_piece, mirror, span
 from spmd.partition.ir import Op
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -137,6 +137,17 @@ def _pad(local: Local, args: list) -> list:
   args, halo_dims = local.with_halos(args, args[1])
   config = [(0, 0, 0) if d in halo_dims else c for d, c in enumerate(local.op.params["padding_config"])]
   return bind(local.op, args, padding_config=tuple(config))
+
+
+@_register("rev")
+def _rev(local: Local, args: list) -> list:
+  """Reverses the local block after taking the mirrored shard's block along sharded dims."""
+  x, chain = args[0], ()
+  for m in local.halos:
+    prefix = halo_piece(local.op.inputs[0], local.reads[0], chain, ())
+    x = mirror(x, m, local.mesh, local.received, prefix)
+    chain += (geometry(m),)
+  return bind(local.op, [x])
 
 
 @_register("concatenate")

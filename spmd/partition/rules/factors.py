@@ -53,7 +53,7 @@ class WindowedDim:
   operand: int
   dim: int
   window: Window
-  scatter: bool = False  # select_and_scatter_add: the window scatters back (halo.py)
+  mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev (halo.py)
 
 
 @dataclass
@@ -71,14 +71,14 @@ class RuleBuilder:
     self.kinds.append(kind)
     return len(self.sizes) - 1
 
-  def windowed(self, operand: int, dim: int, window: Window, scatter: bool = False,
+  def windowed(self, operand: int, dim: int, window: Window, mode: str = "window",
                factor: int | None = None) -> int | None:
     """A HALO factor shared by the operand dim and the result dim it slides along (``factor``:
     another operand's window over an existing one)."""
     f = factor if factor is not None else self.factor(
-        window.size if scatter else window.out, FactorKind.HALO)
+        window.out if mode == "window" else window.size, FactorKind.HALO)
     if f is not None and window.size > 1:
-      self.windows.append(WindowedDim(f, operand, dim, window, scatter))
+      self.windows.append(WindowedDim(f, operand, dim, window, mode))
     return f
 
   def factors(self, sizes: Sequence[int], kind: FactorKind = FactorKind.PASS) -> list[int | None]:

@@ -62,10 +62,12 @@ def pad(op: Op) -> OpShardingRule:
 
 @register("rev")
 def rev(op: Op) -> OpShardingRule:
-  shape = op.inputs[0].aval.shape
+  """A reversed dim is shared by operand and result: shard i's rows come from shard n-1-i."""
+  shape, reversed_dims = op.inputs[0].aval.shape, set(op.params["dimensions"])
   b = RuleBuilder()
-  (operand,), result = _moved_dims(b, [shape], shape, set(op.params["dimensions"]))
-  return b.build([operand], [result])
+  dims = [b.windowed(0, d, Window(n, n), mode="reverse") if d in reversed_dims else b.factor(n)
+          for d, n in enumerate(shape)]
+  return b.build([dims], [dims])
 
 
 @register("concatenate")

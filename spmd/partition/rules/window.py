@@ -57,7 +57,7 @@ def select_and_scatter_add(op: Op) -> OpShardingRule:
       continue
     window = Window(n, source[d], p["window_dimensions"][d], p["window_strides"][d],
                     *p["padding"][d])
-    dims.append(b.windowed(1, d, window, scatter=True))
+    dims.append(b.windowed(1, d, window, mode="scatter"))
   return b.build([dims, dims], [dims])
 
 
