@@ -34,19 +34,9 @@ def _layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _opt_specs(opt: optax.GradientTransformation, params: Any, param_specs: Any) -> Any:
-  """Optimizer state specs: moments follow their parameter, scalars are replicated."""
-  state = opt.init(params)
-  flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
-
-  def per_leaf(path, leaf):
-    if jnp.ndim(leaf) == 0:
-      return P()
-    for (ppath, p), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_specs):
-      if tuple(path[-len(ppath):]) == tuple(ppath) and p.shape == leaf.shape:
-        return spec
-    return P()
-
-  return jax.tree_util.tree_map_with_path(per_leaf, state)
+  """Optimizer state specs: moments follow their parameter, everything else is replicated."""
+  return optax.tree_map_params(opt, lambda _, spec: spec, opt.init(params), param_specs,
+                               transform_non_params=lambda _: P())
 
 
 def mlp(batch: int = 16, d: int = 32, h: int = 64, classes: int = 16,
