@@ -75,7 +75,9 @@ class Partitioned:
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     compiled, leaves = self._compile(args, kwargs)
-    return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
+    # Only traced arguments can be differentiated: concrete calls skip the custom_vjp wrapper.
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+    return tree_unflatten(compiled.out_tree, (compiled.call if traced else compiled.fn)(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""

@@ -106,7 +106,9 @@ class _Scheduler:
       return
     src, steps = self._best(v, dst)
     out.append(Transfer(v, src, dst, steps, tensor))
-    self.forms[v].append(dst)
+    for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
+      if form not in self.forms[v]:
+        self.forms[v].append(form)
 
   # --- ops --------------------------------------------------------------------------------------
 
@@ -223,14 +225,14 @@ class _Scheduler:
 
 
 def _partial_ok(program: Program, by_op: dict[int, list[Constraint]]) -> dict[Value, bool]:
-  """Values every consumer of which can read a pending partial sum: only for those does letting
-  the sum flow save a reduction (one consumer that needs it whole reduces it anyway)."""
+  """Values read once, by an op that can take a pending partial sum: only there does letting the
+  sum flow save a reduction (a second reader would reduce it again, or anyway)."""
   ok: dict[Value, bool] = {}
   for op in program.all_ops():
     linear = by_op[op.index][0].rule.linear_in if not op.regions else ()
     for k, x in enumerate(op.inputs):
       if isinstance(x, Value):
-        ok[x] = ok.get(x, True) and k in linear
+        ok[x] = x not in ok and k in linear
     for region in op.regions:
       for x in region.outputs:
         if isinstance(x, Value):
