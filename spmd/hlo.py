@@ -13,14 +13,18 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 
 @dataclass(frozen=True)
 class HloCollective:
-  """``bytes`` is per device: the larger of the operands' and the result's total size."""
+  """``bytes`` is per device: the larger of the operands' and the result's total size;
+  ``arrays`` are the result's array types (``f32[8,16]``); ``text`` is the instruction."""
 
   kind: str
   bytes: int
   name: str
+  arrays: tuple[str, ...] = ()
+  text: str = ""
 
 
-def _shape_bytes(text: str) -> int:
+def array_bytes(text: str) -> int:
+  """Bytes of every array type (``f32[8,16]``) written in ``text``."""
   total = 0
   for dtype, dims in _ARRAY.findall(text):
     size = _ELEMENT_BYTES.get(dtype[:4] if dtype.startswith("f8") else dtype,
@@ -53,24 +57,25 @@ def _split(line: str) -> tuple[str, str, str, str] | None:
 
 def collectives(hlo_text: str) -> list[HloCollective]:
   shapes: dict[str, int] = {}
-  found: list[tuple[str, str, int, str, bool]] = []
+  found: list[tuple] = []
   for line in hlo_text.splitlines():
     parts = _split(line)
     if parts is None:
       continue
     name, shape, opcode, args = parts
-    shapes[name] = _shape_bytes(shape)
+    shapes[name] = array_bytes(shape)
     kind = opcode.removesuffix("-start")
     if kind in KINDS and not opcode.endswith("-done"):
       operands = args.split(")", 1)[0]
-      found.append((kind, name, shapes[name], operands, opcode.endswith("-start")))
+      found.append((kind, name, shapes[name], operands, opcode.endswith("-start"), shape, line))
   out = []
-  for kind, name, result_bytes, operands, is_start in found:
+  for kind, name, result_bytes, operands, is_start, shape, line in found:
     names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
     operand_bytes = sum(shapes.get(n.split()[-1].lstrip("%"), 0) for n in names)
     if is_start and operand_bytes:
       result_bytes -= operand_bytes  # async starts return an (operands, result) tuple
-    out.append(HloCollective(kind, max(result_bytes, operand_bytes), name))
+    arrays = tuple(f"{t}[{d}]" for t, d in _ARRAY.findall(shape))
+    out.append(HloCollective(kind, max(result_bytes, operand_bytes), name, arrays, line.strip()))
   return out
 
 
