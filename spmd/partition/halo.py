@@ -87,8 +87,10 @@ class Halo:
     return out
 
   def start(self, shard: Any) -> Any:
-    """Where this shard's span begins in its dilated halo buffer."""
-    return self.first_position(shard) - (self.block * shard - self.left) * self.dilation
+    """Where this shard's span begins in its dilated halo buffer (which starts with
+    ``dilation - 1`` pad positions: a span may begin in the hole before its first row)."""
+    return (self.first_position(shard) - (self.block * shard - self.left) * self.dilation
+            + self.dilation - 1)
 
 
 def _halo(operand: int, dim: int, axes: Axes, size: int, shards: int, length: int,
@@ -100,7 +102,7 @@ def _halo(operand: int, dim: int, axes: Axes, size: int, shards: int, length: in
   left = right = 0
   for i in range(active):
     pos = probe.first_position(i)
-    left = max(left, block * i - pos // dilation)
+    left = max(left, block * i - -(-pos // dilation))
     right = max(right, -(-(pos + length) // dilation) - block * (i + 1))
   if left + right >= (shards - 1) * block:
     return None
@@ -225,7 +227,7 @@ def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshSha
   bd = halo.dilation
   if bd > 1:
     config = [(0, 0, 0)] * buf.ndim
-    config[d] = (0, bd - 1, bd - 1)
+    config[d] = (bd - 1, bd - 1, bd - 1)
     buf = lax.pad(buf, jnp.asarray(pad_value, buf.dtype), config)
   return buf
 
