@@ -41,6 +41,9 @@ def slice_(op: Op) -> OpShardingRule:
     elif out[d] == 1 and _masked_reduction_ok(op):
       operand.append(b.factor(n, REDUCE))
       result.append(None)
+    elif _is_key(op):  # a halo needs a pad value, a key array has none: the dim is whole
+      operand.append(b.factor(n, PERM))
+      result.append(b.factor(out[d], WHOLE))
     else:
       f = b.windowed(0, d, Window(n, out[d], 1, strides[d], -p["start_indices"][d],
                                   p["limit_indices"][d] - n))
@@ -199,8 +202,13 @@ def scatter(op: Op) -> OpShardingRule:
 
 
 def _masked_reduction_ok(op: Op) -> bool:
-  """Masked partial gathers sum exactly only for numeric dtypes."""
-  return op.outputs[0].dtype.kind in "fciu"
+  """Masked partial gathers sum exactly only for numeric dtypes (not bools, not key arrays)."""
+  return getattr(op.outputs[0].dtype, "kind", None) in ("f", "c", "i", "u")
+
+
+def _is_key(op: Op) -> bool:
+  """A PRNG key array (an extended dtype without a numpy kind)."""
+  return not hasattr(op.outputs[0].dtype, "kind")
 
 
 def _scalar(x: object) -> list | None:

@@ -1,0 +1,992 @@
+"""Every primitive family, partitioned on the test meshes, must match the unpartitioned function.
+
+Each case traces ``fn``, propagates shardings from ``in_specs`` (replicated, sharded on different
+dims, several axes on one dim, and specs that disagree so that operands must be resharded), runs
+the partitioned program and compares it with ``fn(*args)``. Each case also asserts that every
+primitive has a sharding rule (no replicated fallback).
+
+Runs on the default backend; ``SPMD_TEST_BACKEND=xla`` runs the same cases on backend='xla'.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_all_rules, assert_partitioned_matches, randn, rng
+
+ABC = ("a", "b", "c")
+
+
+def check(fn, args, in_specs, mesh, out_specs=None, rtol=1e-5, atol=1e-5):
+  """Matches the unpartitioned ``fn`` and every primitive has a rule; returns the plan."""
+  plan = assert_partitioned_matches(fn, args, in_specs, mesh, out_specs, rtol=rtol, atol=atol)
+  assert_all_rules(plan)
+  return plan
+
+
+def ints(*shape, low=0, high=8, seed=0):
+  return rng(seed).integers(low, high, size=shape).astype(np.int32)
+
+
+def bools(*shape, seed=0):
+  return rng(seed).random(shape) < 0.5
+
+
+# (mesh, spec) for one rank-2 [8, 16] operand: replicated, either dim, several axes on one dim.
+SPECS_2D = [
+    ("x8", P()),
+    ("x8", P("x")),
+    ("x8", P(None, "x")),
+    ("a2b4", P("a", "b")),
+    ("a2b4", P("b", "a")),
+    ("a2b4", P(("a", "b"))),
+    ("a2b4", P(None, ("b", "a"))),
+    ("a2b2c2", P("a", ("b", "c"))),
+    ("a2b2c2", P(ABC)),
+    ("a2b2c2", P("c", "a")),
+]
+# (mesh, spec of x, spec of y) for two [8, 16] operands; the later ones disagree (resharding).
+PAIRS_2D = [
+    ("x8", P(), P()),
+    ("x8", P("x"), P("x")),
+    ("x8", P("x"), P(None, "x")),
+    ("a2b4", P("a", "b"), P("a", "b")),
+    ("a2b4", P("a", "b"), P("b", "a")),
+    ("a2b4", P(("a", "b")), P(None, "b")),
+    ("a2b2c2", P(ABC), P(None, ABC)),
+    ("a2b2c2", P("a", ("b", "c")), P(("c", "b"), "a")),
+]
+
+
+def _ids(cases):
+  return [f"{m}-{'-'.join(str(s) for s in specs)}" for m, *specs in cases]
+
+
+# --- elementwise ---------------------------------------------------------------------------------
+
+UNARY = {
+    "neg": lambda x: -x,
+    "exp": jnp.exp,
+    "tanh": jnp.tanh,
+    "sin_cos": lambda x: jnp.sin(x) * jnp.cos(x),
+    "abs_sqrt": lambda x: jnp.sqrt(jnp.abs(x)),
+    "log1p": lambda x: jnp.log1p(jnp.abs(x)),
+    "rsqrt": lambda x: lax.rsqrt(jnp.abs(x) + 1),
+    "logistic": jax.nn.sigmoid,
+    "floor_ceil_round": lambda x: jnp.floor(x) + jnp.ceil(x) + jnp.round(x),
+    "sign": jnp.sign,
+    "erf": jax.scipy.special.erf,
+    "isfinite": lambda x: jnp.isfinite(jnp.log(x)),
+    "square": jnp.square,
+    "not": lambda x: ~(x > 0),
+    "special": lambda x: (lax.erf_inv(jnp.tanh(x) * 0.9), lax.lgamma(jnp.abs(x) + 1),
+                          lax.digamma(jnp.abs(x) + 1), jnp.expm1(x), lax.cbrt(x),
+                          lax.reduce_precision(x, 5, 10), jnp.nextafter(x, 0.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(UNARY))
+def test_unary(name):
+  x = randn(8, 16)
+  k = list(UNARY).index(name)
+  for mesh, spec in (SPECS_2D[k % len(SPECS_2D)], SPECS_2D[(k + 5) % len(SPECS_2D)]):
+    plan = check(UNARY[name], (x,), (spec,), mesh, rtol=2e-5)
+    assert not plan.collectives, plan.explain()  # elementwise: every device keeps its shard
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[2::3], ids=_ids(SPECS_2D[2::3]))
+def test_integer_unary(mesh, spec):
+  def fn(i):
+    return (lax.population_count(i), lax.clz(i), jnp.abs(i), -i, jnp.sign(i), ~i,
+            lax.shift_right_logical(i, 2), i.astype(jnp.uint32) >> 3)
+
+  check(fn, (ints(8, 16, low=-50, high=50),), (spec,), mesh)
+
+
+BINARY = {
+    "add": jnp.add,
+    "sub": jnp.subtract,
+    "mul": jnp.multiply,
+    "div": lambda x, y: x / (jnp.abs(y) + 1),
+    "max_min": lambda x, y: jnp.maximum(x, y) - jnp.minimum(x, y),
+    "pow": lambda x, y: jnp.power(jnp.abs(x) + 1, y),
+    "atan2": jnp.arctan2,
+    "rem": lambda x, y: jnp.fmod(x, jnp.abs(y) + 1),
+    "compare": lambda x, y: (x < y, x <= y, x == y, x != y, x > y, x >= y),
+}
+
+
+# every spec pair for add and the comparisons; two pairs for the other ops
+BINARY_CASES = [(name, *pair) for name in BINARY
+                for pair in (PAIRS_2D if name in ("add", "compare") else PAIRS_2D[-2:])]
+
+
+@pytest.mark.parametrize("name,mesh,sx,sy", BINARY_CASES,
+                         ids=[c[0] + "-" + _ids([c[1:]])[0] for c in BINARY_CASES])
+def test_binary(name, mesh, sx, sy):
+  plan = check(BINARY[name], (randn(8, 16), randn(8, 16, seed=1)), (sx, sy), mesh)
+  if sx == sy:
+    assert not plan.collectives, plan.explain()
+
+
+@pytest.mark.parametrize("mesh,sx,sy", PAIRS_2D[::2], ids=_ids(PAIRS_2D[::2]))
+def test_integer_and_bool_binary(mesh, sx, sy):
+  def fn(i, j, p, q):
+    return (i + j, i * j, i // (j + 1), i % (j + 1), i & j, i | j, i ^ j, i << 1, i >> 1,
+            jnp.maximum(i, j), p & q, p | q, p ^ q, ~p, i == j)
+
+  args = (ints(8, 16), ints(8, 16, seed=1), bools(8, 16), bools(8, 16, seed=1))
+  check(fn, args, (sx, sy, sy, sx), mesh)
+
+
+BROADCASTS = {
+    # name: (fn, shapes)
+    "row": (lambda x, y: x + y, [(8, 16), (1, 16)]),
+    "col": (lambda x, y: x * y, [(8, 16), (8, 1)]),
+    "outer": (lambda x, y: x - y, [(8, 1), (1, 16)]),
+    "rank": (lambda x, y: x / (jnp.abs(y) + 1), [(8, 16), (16,)]),
+    "scalar_arg": (lambda x, s: x * s + s, [(8, 16), ()]),
+    "python_scalar": (lambda x: 2.0 * x + 1, [(8, 16)]),
+    "rank3": (lambda x, y: x + y, [(8, 8, 16), (8, 1)]),
+}
+BROADCAST_SPECS = [
+    ("x8", [P("x"), P()]),
+    ("a2b4", [P("a", "b"), P(None, "b")]),
+    ("a2b2c2", [P(None, ("a", "b")), P("c")]),
+]
+
+
+@pytest.mark.parametrize("mesh,specs", BROADCAST_SPECS, ids=[m for m, _ in BROADCAST_SPECS])
+@pytest.mark.parametrize("name", list(BROADCASTS))
+def test_broadcasting(name, mesh, specs):
+  fn, shapes = BROADCASTS[name]
+  args = [randn(*s, seed=k) for k, s in enumerate(shapes)]
+  in_specs = []
+  for s, spec in zip(shapes, specs):
+    # keep only the spec entries that fit (size-1 dims and scalars stay replicated)
+    entries = [e if n > 1 else None for e, n in zip(tuple(spec), s)]
+    in_specs.append(P(*entries))
+  check(fn, tuple(args), tuple(in_specs), mesh)
+
+
+@pytest.mark.parametrize("mesh,sx,sy", PAIRS_2D[1::2], ids=_ids(PAIRS_2D[1::2]))
+def test_select_n(mesh, sx, sy):
+  def fn(c, x, y, k):
+    return (jnp.where(c, x, y), jnp.where(x > 0, x, 0.0), lax.select_n(k, x, y, x * y),
+            jnp.where(c, 1, k))
+
+  args = (bools(8, 16), randn(8, 16), randn(8, 16, seed=1), ints(8, 16, high=3))
+  check(fn, args, (sy, sx, sy, sx), mesh)
+
+
+@pytest.mark.parametrize("mesh,sx,sy", PAIRS_2D[::3], ids=_ids(PAIRS_2D[::3]))
+def test_clamp(mesh, sx, sy):
+  def fn(x, lo, hi, s):
+    return (jnp.clip(x, -0.5, 0.5), lax.clamp(lo, x, hi), lax.clamp(-s, x, s),
+            jnp.clip(x, lo, None))
+
+  lo = randn(8, 16, seed=1) - 1
+  args = (randn(8, 16), lo, lo + 2, np.float32(0.3))
+  check(fn, args, (sx, sy, sx, P()), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2], ids=_ids(SPECS_2D[::2]))
+def test_convert_element_type(mesh, spec):
+  def fn(x, i):
+    return (x.astype(jnp.int32), i.astype(jnp.float32) * x, (x > 0).astype(jnp.float32),
+            x.astype(jnp.bfloat16).astype(jnp.float32), x.astype(jnp.float16), i.astype(bool),
+            lax.bitcast_convert_type(x, jnp.int32), i.astype(jnp.uint8))
+
+  check(fn, (randn(8, 16) * 4, ints(8, 16, low=-3, high=300)), (spec, spec), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1::3], ids=_ids(SPECS_2D[1::3]))
+def test_integer_pow(mesh, spec):
+  fn = lambda x, i: (x ** 2, x ** 3, lax.integer_pow(x + 3, -2), i ** 3)  # noqa: E731
+  check(fn, (randn(8, 16), ints(8, 16, low=-4)), (spec, spec), mesh, rtol=1e-5)
+
+
+# --- shapes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,specs", [
+    ("x8", (P("x"), P())),
+    ("a2b4", (P("b"), P("a"))),
+    ("a2b2c2", (P(("a", "b")), P(None, "c"))),
+], ids=["x8", "a2b4", "a2b2c2"])
+def test_broadcast_in_dim(mesh, specs):
+  def fn(v, m):
+    return (jnp.broadcast_to(v, (8, 16)), lax.broadcast_in_dim(v, (4, 8, 16), (2,)),
+            lax.broadcast_in_dim(m, (2, 8, 4, 16), (1, 3)), jnp.broadcast_to(m[:1], (8, 16)),
+            jnp.zeros((8, 16)) + v[None, :])
+
+  check(fn, (randn(16), randn(8, 16, seed=1)), specs, mesh)
+
+
+RESHAPES = [
+    # (in shape, out shape, mesh, spec)
+    ((8, 4), (32,), "x8", P("x")),
+    ((8, 4), (32,), "a2b4", P("a", "b")),
+    ((8, 4), (32,), "a2b4", P(None, "b")),
+    ((8, 4), (32,), "a2b2c2", P(ABC)),
+    ((32,), (4, 8), "x8", P("x")),
+    ((32,), (4, 8), "a2b4", P(("b", "a"))),
+    ((32,), (4, 8), "a2b2c2", P(ABC)),
+    ((4, 6), (8, 3), "a2b4", P("b", "a")),
+    ((4, 6), (8, 3), "a2b2c2", P(("a", "b"), "c")),
+    ((4, 6), (8, 3), "a2b4", P("a")),
+    ((8, 16), (2, 4, 16), "a2b4", P(("a", "b"))),
+    ((2, 4, 16), (8, 16), "a2b2c2", P("a", "b", "c")),
+    ((16, 8), (8, 16), "x8", P(None, "x")),
+    ((16, 8), (8, 16), "a2b2c2", P(("a", "b"), "c")),
+    ((8, 16), (4, 4, 8), "a2b4", P("a", "b")),
+    ((8, 16), (128,), "a2b2c2", P("c", ("a", "b"))),
+]
+
+
+@pytest.mark.parametrize("src,dst,mesh,spec", RESHAPES,
+                         ids=[f"{s}->{d}-{m}-{p}" for s, d, m, p in RESHAPES])
+def test_reshape(src, dst, mesh, spec):
+  x = np.arange(int(np.prod(src)), dtype=np.float32).reshape(src)
+  check(lambda x: (x.reshape(dst) * 2, jnp.sin(x).reshape(dst)), (x,), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", [
+    ("x8", P("x")), ("a2b4", P("a", None, "b")), ("a2b2c2", P(None, None, ("a", "b", "c"))),
+], ids=["x8", "a2b4", "a2b2c2"])
+def test_squeeze_expand_dims(mesh, spec):
+  def fn(x):
+    return (jnp.squeeze(x, 1), jnp.expand_dims(x[:, 0], 0), lax.expand_dims(x, (0, 3)),
+            x.reshape(8, 16)[:, None, :, None].squeeze((1, 3)))
+
+  check(fn, (randn(8, 1, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", [
+    ("x8", P(None, "x")), ("a2b4", P("a", "b")), ("a2b4", P(None, ("a", "b"))),
+    ("a2b2c2", P("a", "b", "c")), ("a2b2c2", P(None, ("c", "a"), "b")),
+], ids=str)
+def test_transpose(mesh, spec):
+  def fn(x):
+    return (x.transpose(2, 0, 1), jnp.swapaxes(x, 0, 2), x.reshape(4, 128).T,
+            jnp.einsum("abc->cba", x) + 1)
+
+  check(fn, (randn(4, 8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2], ids=_ids(SPECS_2D[::2]))
+def test_rev(mesh, spec):
+  fn = lambda x: (jnp.flip(x, 0), jnp.flip(x, (0, 1)), x[:, ::-1] + x)  # noqa: E731
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+# --- dot_general ---------------------------------------------------------------------------------
+
+MATMUL = [
+    ("x8", P(), P()),
+    ("x8", P("x"), P()),
+    ("x8", P(None, "x"), P("x")),              # contraction on the sharded dims
+    ("x8", P(None, "x"), P(None, "x")),        # contraction sharded on one side only
+    ("a2b4", P("a", "b"), P("b")),
+    ("a2b4", P("a", "b"), P(None, "b")),       # "b" wanted by two factors
+    ("a2b4", P(("a", "b")), P("a", "b")),
+    ("a2b2c2", P("a", ("b", "c")), P(("b", "c"), "a")),
+    ("a2b2c2", P(ABC), P(None, ABC)),
+    ("a2b2c2", P(None, ("c", "a")), P(("a", "c"), "b")),  # same axes, other order
+]
+
+
+@pytest.mark.parametrize("mesh,sx,sw", MATMUL, ids=_ids(MATMUL))
+def test_matmul(mesh, sx, sw):
+  check(lambda x, w: x @ w, (randn(8, 16), randn(16, 8, seed=1)), (sx, sw), mesh, rtol=1e-4,
+        atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", MATMUL[2::3], ids=_ids(MATMUL[2::3]))
+def test_matmul_out_specs(mesh, sx, sw):
+  axes = [a for e in sx for a in ((e,) if isinstance(e, str) else e or ())]
+  out = P(None, axes[-1])  # the minor axis of x moves to the result's column dim
+  plan = check(lambda x, w: jnp.tanh(x @ w), (randn(8, 16), randn(16, 8, seed=1)), (sx, sw),
+               mesh, out_specs=out, rtol=1e-4, atol=1e-4)
+  assert plan.out_specs == out
+
+
+EINSUMS = [
+    # (equation, shapes, mesh, specs)
+    ("bij,bjk->bik", [(4, 8, 16), (4, 16, 8)], "a2b4", [P("a", "b"), P("a", None, "b")]),
+    ("bij,bjk->bik", [(4, 8, 16), (4, 16, 8)], "a2b2c2", [P("a", None, ("b", "c")),
+                                                          P("b", ("a", "c"))]),
+    ("bij,bjk->bik", [(4, 8, 16), (4, 16, 8)], "x8", [P(None, "x"), P(None, None, "x")]),
+    ("bij,bkj->bki", [(8, 4, 16), (8, 8, 16)], "a2b4", [P("b", None, "a"), P("a", "b")]),
+    ("ij,ij->", [(8, 16), (8, 16)], "a2b4", [P("a", "b"), P("b", "a")]),
+    ("ij,ij->", [(8, 16), (8, 16)], "x8", [P("x"), P("x")]),
+    ("i,i->", [(16,), (16,)], "a2b2c2", [P(ABC), P(("a", "b"))]),
+    ("i,j->ij", [(8,), (16,)], "a2b4", [P("b"), P("a")]),
+    ("ij,j->i", [(8, 16), (16,)], "a2b2c2", [P("a", ("b", "c")), P("b")]),
+    ("bhqd,bhkd->bhqk", [(2, 4, 8, 8), (2, 4, 8, 8)], "a2b2c2", [P("a", "b", "c"),
+                                                                P("a", "b", None, "c")]),
+    ("abc,cd->abd", [(2, 8, 16), (16, 8)], "a2b4", [P("a", None, "b"), P("b", "a")]),
+]
+
+
+@pytest.mark.parametrize("eq,shapes,mesh,specs", EINSUMS,
+                         ids=[f"{e}-{m}-{k}" for k, (e, _, m, _) in enumerate(EINSUMS)])
+def test_einsum(eq, shapes, mesh, specs):
+  args = tuple(randn(*s, seed=k) for k, s in enumerate(shapes))
+  check(lambda *a: jnp.einsum(eq, *a), args, tuple(specs), mesh, rtol=1e-4, atol=1e-4)
+
+
+def test_integer_dot():
+  fn = lambda a, b: (a @ b, lax.dot(a, b, preferred_element_type=jnp.int32))  # noqa: E731
+  check(fn, (ints(8, 16), ints(16, 8, seed=1)), (P("a", "b"), P("b", "a")), "a2b4")
+
+
+# --- reductions and scans ------------------------------------------------------------------------
+
+REDUCTIONS = {
+    "sum": jnp.sum, "max": jnp.max, "min": jnp.min,
+    "prod": lambda x, axis: jnp.prod(1 + 0.1 * x, axis=axis),
+    "mean": jnp.mean,
+    "all": lambda x, axis: jnp.all(x > -1, axis=axis),
+    "any": lambda x, axis: jnp.any(x > 1, axis=axis),
+    "argmax": lambda x, axis: jnp.argmax(x, axis=axis),
+    "argmin": lambda x, axis: jnp.argmin(x, axis=axis),
+    "int_sum": lambda x, axis: jnp.sum((x * 4).astype(jnp.int32), axis=axis),
+}
+REDUCE_SPECS = [
+    ("x8", P("x")), ("x8", P(None, "x")), ("a2b4", P("a", "b")), ("a2b4", P(("b", "a"))),
+    ("a2b2c2", P("c", ("a", "b"))), ("a2b2c2", P(None, ABC)),
+]
+
+
+REDUCE_CASES = [(name, axis) for name in REDUCTIONS for axis in (0, 1, None, (0, 1))
+                if not (name.startswith("arg") and isinstance(axis, tuple))]
+
+
+@pytest.mark.parametrize("name,axis", REDUCE_CASES, ids=[f"{n}-{a}" for n, a in REDUCE_CASES])
+def test_reduce(name, axis):
+  x = randn(8, 16)
+  k = list(REDUCTIONS).index(name) + (0 if axis is None else 1 if axis == (0, 1) else 2 + axis)
+  for mesh, spec in (REDUCE_SPECS[k % 6], REDUCE_SPECS[(k + 3) % 6]):
+    check(lambda x: REDUCTIONS[name](x, axis=axis), (x,), (spec,), mesh, rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_rank3_keepdims():
+  def fn(x):
+    return (x.sum(axis=(0, 2), keepdims=True), x.max(axis=1), x.min(axis=(1, 2)),
+            jnp.argmax(x, axis=2), jnp.argmin(x.reshape(4, -1), axis=1))
+
+  x = randn(4, 8, 16)
+  for mesh, spec in (("a2b2c2", P("a", "b", "c")), ("a2b4", P(None, "a", "b")),
+                     ("x8", P(None, None, "x"))):
+    check(fn, (x,), (spec,), mesh)
+
+
+CUMULATIVE = {
+    "cumsum": jnp.cumsum,
+    "cumprod": lambda x, axis: jnp.cumprod(1 + 0.1 * x, axis=axis),
+    "cummax": lambda x, axis: lax.cummax(x, axis=axis),
+    "cummin": lambda x, axis: lax.cummin(x, axis=axis, reverse=True),
+    "int_cumsum": lambda x, axis: jnp.cumsum((x * 4).astype(jnp.int32), axis=axis),
+    "logcumsumexp": lambda x, axis: lax.cumlogsumexp(x, axis=axis),
+}
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("name", list(CUMULATIVE))
+def test_cumulative(name, axis):
+  x = randn(8, 16)
+  k = list(CUMULATIVE).index(name) + axis
+  for mesh, spec in (REDUCE_SPECS[k % 6], REDUCE_SPECS[(k + 2) % 6]):
+    check(lambda x: CUMULATIVE[name](x, axis=axis), (x,), (spec,), mesh, rtol=1e-5,
+          atol=1e-5)
+
+
+# --- iota, slicing, padding, concatenation -------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1::2], ids=_ids(SPECS_2D[1::2]))
+def test_iota(mesh, spec):
+  def fn(x):
+    rows = lax.broadcasted_iota(jnp.int32, (8, 16), 0)
+    cols = lax.broadcasted_iota(jnp.float32, (8, 16), 1)
+    return (x + jnp.arange(16), x * cols, jnp.where(rows > cols, x, -x), jnp.arange(8) * 2,
+            x[jnp.arange(8) % 3])
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2] + SPECS_2D[5:6], ids=_ids(
+    SPECS_2D[::2] + SPECS_2D[5:6]))
+def test_slice(mesh, spec):
+  def fn(x):
+    return (x[2:6], x[:, 1:15:2], x[1:, 3:], lax.slice(x, (0, 4), (8, 12)), x[::2, ::4],
+            x[3], x[:, -1])
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", [
+    ("x8", P(None, None, "x")), ("a2b4", P(None, "a", "b")), ("a2b4", P(None, None, ("a", "b"))),
+    ("a2b2c2", P("a", "b", "c")),
+], ids=str)
+def test_strided_slice_of_sharded_dims(mesh, spec):
+  def fn(x):
+    return x[1:3, ::2, 4:12], x[:, 1::2], x[:, :, 1:15:3], x[:, 2:7:2, ::5]
+
+  check(fn, (randn(4, 8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1::2], ids=_ids(SPECS_2D[1::2]))
+def test_dynamic_slice(mesh, spec):
+  def fn(x, i, j):
+    return (lax.dynamic_slice(x, (i, 0), (4, 16)), lax.dynamic_slice(x, (i, j), (2, 8)),
+            lax.dynamic_slice_in_dim(x, j, 4, axis=1), lax.dynamic_index_in_dim(x, i, 0, False),
+            x[i], lax.dynamic_slice(x, (i, 20), (4, 8)))  # out-of-range start is clamped
+
+  check(fn, (randn(8, 16), np.int32(3), np.int32(5)), (spec, P(), P()), mesh)
+
+
+@pytest.mark.parametrize("mesh,sx,su", [
+    ("x8", P("x"), P()), ("x8", P(None, "x"), P(None, "x")), ("a2b4", P("a", "b"), P(None, "b")),
+    ("a2b4", P(("a", "b")), P("b", "a")), ("a2b2c2", P("c", ("a", "b")), P("a", "b")),
+], ids=str)
+def test_dynamic_update_slice(mesh, sx, su):
+  def fn(x, u, i, j):
+    return (lax.dynamic_update_slice(x, u, (i, 0)),
+            lax.dynamic_update_slice(x, u[:2, :8], (i, j)),
+            lax.dynamic_update_slice_in_dim(x, u[:, :4] * 2, j, axis=1),
+            x.at[i].set(u[0]))
+
+  check(fn, (randn(8, 16), randn(4, 16, seed=1), np.int32(3), np.int32(6)),
+        (sx, su, P(), P()), mesh)
+
+
+@pytest.mark.parametrize("mesh,sx,sy", PAIRS_2D, ids=_ids(PAIRS_2D))
+def test_concatenate(mesh, sx, sy):
+  def fn(x, y):
+    return (jnp.concatenate([x, y], 0), jnp.concatenate([x, y, x], 1),
+            jnp.concatenate([x[:3], y[5:]], 0), jnp.stack([x, y], 1))
+
+  check(fn, (randn(8, 16), randn(8, 16, seed=1)), (sx, sy), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2] + SPECS_2D[3:4],
+                         ids=_ids(SPECS_2D[::2] + SPECS_2D[3:4]))
+def test_pad(mesh, spec):
+  def fn(x):
+    return (jnp.pad(x, ((1, 2), (0, 0))), jnp.pad(x, ((0, 0), (3, 5)), constant_values=7.0),
+            lax.pad(x, 0.5, ((1, 0, 1), (-2, 1, 0))), jnp.pad(x, 2, mode="edge"),
+            lax.pad(x, x[0, 0], ((0, 0, 0), (0, -4, 1))))
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1::2], ids=_ids(SPECS_2D[1::2]))
+def test_split(mesh, spec):
+  def fn(x):
+    a, b = jnp.split(x, 2, axis=0)
+    c, d, e = jnp.split(x, [3, 5], axis=1)
+    return a * 2, b, c, d + 1, e, jnp.array_split(x, 3, axis=1)
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+# --- gather and scatter --------------------------------------------------------------------------
+
+GATHER = [
+    # (mesh, spec of x [8, 16], spec of idx [8])
+    ("x8", P(), P()),
+    ("x8", P("x"), P()),
+    ("x8", P(None, "x"), P("x")),
+    ("a2b4", P("a", "b"), P("b")),
+    ("a2b4", P(("b", "a")), P("a")),
+    ("a2b2c2", P("a", ("b", "c")), P(("b", "c"))),
+    ("a2b2c2", P(ABC), P(ABC)),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,si", GATHER, ids=_ids(GATHER))
+def test_gather(mesh, sx, si):
+  def fn(x, idx):
+    return (x[idx], jnp.take(x, idx, axis=1), x[idx, idx], x[:, idx[:4]], x[-idx + 1],
+            jnp.take(x, idx + 20, axis=0, mode="clip"), x.at[idx].get(mode="fill", fill_value=-1),
+            x[idx, 3])
+
+  idx = np.array([3, 0, 7, 7, 1, 5, 2, 6], np.int32)
+  check(fn, (randn(8, 16), idx), (sx, si), mesh)
+
+
+TAKE_ALONG = [
+    # (mesh, spec of x [8, 16], spec of idx [8, 16])
+    ("x8", P("x"), P()),
+    ("x8", P(None, "x"), P("x")),
+    ("a2b4", P("a", "b"), P("b", "a")),
+    ("a2b2c2", P("a", ("b", "c")), P(("b", "c"), "a")),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,si", TAKE_ALONG, ids=_ids(TAKE_ALONG))
+def test_take_along_axis(mesh, sx, si):
+  def fn(x, idx):
+    return (jnp.take_along_axis(x, idx, axis=1),
+            jnp.take_along_axis(x[:, :4], idx[:, :4] % 8, axis=0),
+            jnp.take_along_axis(x, jnp.argsort(x, axis=1), axis=1))
+
+  check(fn, (randn(8, 16), ints(8, 16, high=16)), (sx, si), mesh)
+
+
+EMBED = [
+    # (mesh, table [32, 16] sharded on the vocab dim, ids [4, 8])
+    ("x8", P("x"), P()),
+    ("x8", P("x"), P(None, "x")),
+    ("a2b4", P("b", "a"), P("a")),
+    ("a2b4", P(("a", "b")), P("a", "b")),
+    ("a2b2c2", P(("a", "b"), "c"), P("c", ("a", "b"))),
+    ("a2b2c2", P(ABC), P()),
+]
+
+
+@pytest.mark.parametrize("mesh,st,si", EMBED, ids=_ids(EMBED))
+def test_embedding_lookup(mesh, st, si):
+  def fn(table, ids):
+    emb = table[ids]
+    return emb, jnp.take(table, ids, axis=0).sum(-1), emb @ table.T
+
+  check(fn, (randn(32, 16), ints(4, 8, high=32)), (st, si), mesh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,si", GATHER[2::2], ids=_ids(GATHER[2::2]))
+def test_batched_gather_scatter(mesh, sx, si):
+  """vmap of indexing: gather / scatter with operand and index batching dims."""
+  def fn(x, idx):
+    return (jax.vmap(lambda r, j: r[j])(x, idx), jax.vmap(lambda r, j: r.at[j].add(1.0))(x, idx),
+            jax.vmap(lambda r, j: lax.dynamic_slice(r, (j,), (4,)))(x, idx[:, 0]),
+            jax.vmap(lambda r, j, u: r.at[j].set(u))(x, idx, x[:, :4] * 2))
+
+  idx = np.stack([np.array([3, 0, 7, 12], np.int32) + k for k in range(8)])
+  check(fn, (randn(8, 16), idx), (sx, si), mesh)
+
+
+def test_gather_int_and_bool_operands():
+  def fn(x, b, idx):
+    return x[idx], b[idx], jnp.take(b, idx, axis=1)
+
+  for mesh, specs in (("x8", (P("x"), P("x"), P())), ("a2b4", (P("b", "a"), P(("a", "b")),
+                                                                P("a")))):
+    check(fn, (ints(8, 16), bools(8, 16), np.array([3, 0, 7, 7, 1, 5, 2, 6], np.int32)), specs,
+          mesh)
+
+
+SCATTER = [
+    # (mesh, spec of x [8, 16], spec of updates [4, 16])
+    ("x8", P(), P()),
+    ("x8", P("x"), P()),
+    ("x8", P(None, "x"), P(None, "x")),
+    ("a2b4", P("a", "b"), P("b", "a")),
+    ("a2b4", P(("a", "b")), P(None, ("a", "b"))),
+    ("a2b2c2", P("a", ("b", "c")), P(("b", "c"))),
+    ("a2b2c2", P(ABC), P("c", "a")),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,su", SCATTER, ids=_ids(SCATTER))
+def test_scatter(mesh, sx, su):
+  unique = np.array([6, 1, 3, 0], np.int32)
+  dup = np.array([2, 5, 2, 7], np.int32)
+
+  def fn(x, u, unique, dup):
+    return (x.at[unique].set(u), x.at[dup].add(u), x.at[:, unique].set(u[:, :8].T),
+            x.at[:, dup].add(u[:, 8:].T), x.at[dup, unique].add(u[:, 0]),
+            x.at[unique].mul(u), x.at[dup].max(u), x.at[dup].min(u),
+            x.at[unique + 10].set(u, mode="drop"), x.at[-unique - 1].add(u))
+
+  check(fn, (randn(8, 16), randn(4, 16, seed=1), unique, dup), (sx, su, P(), P()), mesh)
+
+
+@pytest.mark.parametrize("mesh,sx,su", SCATTER[1::3], ids=_ids(SCATTER[1::3]))
+def test_scatter_int(mesh, sx, su):
+  dup = np.array([2, 5, 2, 7], np.int32)
+  fn = lambda x, u, d: (x.at[d].add(u), x.at[d[:2] + 1].set(u[:2]))  # noqa: E731
+  check(fn, (ints(8, 16), ints(4, 16, seed=1), dup), (sx, su, P()), mesh)
+
+
+# --- sort and top_k ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1:], ids=_ids(SPECS_2D[1:]))
+def test_sort(mesh, spec):
+  def fn(x, i):
+    keys, vals = lax.sort((x[:, :8], i[:, :8]), dimension=1, num_keys=1)
+    return (jnp.sort(x, axis=0), jnp.sort(x, axis=1), jnp.argsort(x, axis=0),
+            jnp.argsort(-x, axis=1), jnp.sort(i, axis=1), keys, vals,
+            jnp.argsort(i, axis=0, stable=True), jnp.sort(x, axis=None))
+
+  check(fn, (randn(8, 16), ints(8, 16, high=5)), (spec, spec), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2] + SPECS_2D[5:6],
+                         ids=_ids(SPECS_2D[::2] + SPECS_2D[5:6]))
+def test_top_k(mesh, spec):
+  def fn(x):
+    v, i = lax.top_k(x, 3)
+    w, j = lax.top_k(x.T, 2)
+    return v, i, w * 2, j, v.sum(-1)
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+# --- convolution and windows ---------------------------------------------------------------------
+
+CONV_NHWC = [
+    # (mesh, spec of x [N=8, H=8, W=8, C=8], spec of kernel [3, 3, I=8, O=8])
+    ("x8", P(), P()),
+    ("x8", P("x"), P()),
+    ("x8", P(None, "x"), P()),
+    ("x8", P(None, None, None, "x"), P(None, None, None, "x")),
+    ("a2b4", P("a", "b"), P(None, None, None, "b")),
+    ("a2b4", P("a", None, None, "b"), P(None, None, "b")),
+    ("a2b2c2", P("a", "b", "c"), P(None, None, None, ("a", "b"))),
+    ("a2b2c2", P(("a", "b"), None, None, "c"), P(None, None, "c", "a")),
+]
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("mesh,sx,sk", CONV_NHWC, ids=_ids(CONV_NHWC))
+def test_conv_nhwc(mesh, sx, sk, padding):
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def fn(x, k):
+    y = lax.conv_general_dilated(x, k, (1, 1), padding, dimension_numbers=dn)
+    s = lax.conv_general_dilated(x, k, (2, 2), padding, dimension_numbers=dn)
+    d = lax.conv_general_dilated(x, k, (1, 1), padding, rhs_dilation=(2, 1),
+                                 dimension_numbers=dn)
+    return y, s, d
+
+  check(fn, (randn(8, 8, 8, 8), randn(3, 3, 8, 8, seed=1)), (sx, sk), mesh, rtol=1e-4,
+        atol=1e-4)
+
+
+CONV_NCHW = [
+    # (mesh, spec of x [N=8, C=4, H=8, W=8], spec of kernel OIHW [8, I, 3, 3])
+    ("x8", P("x"), P()),
+    ("x8", P(None, None, "x"), P("x")),
+    ("a2b4", P("a", "b"), P("b")),
+    ("a2b4", P(None, "a", None, "b"), P(("a", "b"))),
+    ("a2b2c2", P("a", None, "b", "c"), P("c", None)),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,sk", CONV_NCHW, ids=_ids(CONV_NCHW))
+def test_conv_nchw_grouped(mesh, sx, sk):
+  dn = ("NCHW", "OIHW", "NCHW")
+
+  def fn(x, k, k2, kd):
+    plain = lax.conv_general_dilated(x, k, (2, 2), "SAME", dimension_numbers=dn)
+    grouped = lax.conv_general_dilated(x, k2, (1, 1), "VALID", dimension_numbers=dn,
+                                       feature_group_count=2)
+    depthwise = lax.conv_general_dilated(x, kd, (2, 1), ((1, 0), (2, 2)), dimension_numbers=dn,
+                                         feature_group_count=4)
+    pointwise = lax.conv_general_dilated(x, k[:, :, :1, :1], (1, 1), "VALID",
+                                         dimension_numbers=dn)
+    return plain, grouped, depthwise, pointwise
+
+  args = (randn(8, 4, 8, 8), randn(8, 4, 3, 3, seed=1), randn(8, 2, 3, 3, seed=2),
+          randn(8, 1, 2, 2, seed=3))
+  check(fn, args, (sx, sk, sk, sk), mesh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sk", CONV_NHWC[1::2] + CONV_NHWC[2:3],
+                         ids=_ids(CONV_NHWC[1::2] + CONV_NHWC[2:3]))
+def test_conv_transpose_and_batch_groups(mesh, sx, sk):
+  dn = ("NHWC", "HWIO", "NHWC")
+
+  def fn(x, k):
+    transposed = lax.conv_transpose(x, k, (2, 2), "SAME", dimension_numbers=dn)
+    dilated = lax.conv_general_dilated(x, k, (1, 1), ((1, 1), (2, 0)), lhs_dilation=(2, 2),
+                                       dimension_numbers=dn)
+    # batch-grouped (as in the kernel gradient of a grouped conv): 8 images in 2 groups
+    grouped = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn,
+                                       batch_group_count=2)
+    return transposed, dilated, grouped
+
+  check(fn, (randn(8, 8, 8, 8), randn(3, 3, 8, 8, seed=1)), (sx, sk), mesh, rtol=1e-4,
+        atol=1e-4)
+
+
+POOL = [
+    ("x8", P("x")),
+    ("x8", P(None, "x")),
+    ("a2b4", P("a", None, "b")),
+    ("a2b4", P(None, None, None, ("a", "b"))),
+    ("a2b2c2", P("a", "b", "c")),
+    ("a2b2c2", P(ABC)),
+]
+
+
+@pytest.mark.parametrize("mesh,spec", POOL, ids=_ids(POOL))
+def test_pooling(mesh, spec):
+  def fn(x):
+    return (nn.max_pool(x, (2, 2), strides=(2, 2)), nn.avg_pool(x, (3, 3), padding="SAME"),
+            nn.max_pool(x, (3, 2), strides=(1, 2), padding="SAME"),
+            lax.reduce_window(x, jnp.inf, lax.min, (1, 2, 2, 1), (1, 1, 1, 1), "VALID"),
+            lax.reduce_window(x, 0.0, lax.add, (1, 1, 1, 4), (1, 1, 1, 4), "VALID"),
+            # not a known monoid: the generic reduce_window primitive
+            lax.reduce_window(x, 0.0, lambda a, b: a + b, (1, 2, 1, 1), (1, 2, 1, 1), "VALID"))
+
+  check(fn, (randn(8, 8, 8, 8),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", POOL[::2] + POOL[3:4], ids=_ids(POOL[::2] + POOL[3:4]))
+def test_max_pool_grad(mesh, spec):
+  """select_and_scatter_add: the gradient of max pooling."""
+  def fn(x):
+    g1 = jax.grad(lambda x: (nn.max_pool(x, (2, 2), strides=(2, 2)) ** 2).sum())(x)
+    g2 = jax.grad(lambda x: nn.max_pool(x, (3, 3), padding="SAME").sum())(x)
+    g3 = jax.grad(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2)).sum())(x)
+    return g1, g2, g3
+
+  check(fn, (randn(8, 8, 8, 8),), (spec,), mesh)
+
+
+# --- copy, stop_gradient, random -----------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[1::3], ids=_ids(SPECS_2D[1::3]))
+def test_copy_stop_gradient(mesh, spec):
+  def fn(x):
+    return (jnp.copy(x), lax.stop_gradient(x) * 2, jnp.array(x, copy=True) + 1,
+            jax.grad(lambda x: (lax.stop_gradient(x) * x).sum())(x))
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
+RANDOM = [("x8", P(None, "x")), ("a2b4", P(("b", "a"))), ("a2b2c2", P("c", ("a", "b")))]
+
+
+@pytest.mark.parametrize("mesh,spec", RANDOM, ids=_ids(RANDOM))
+def test_random_typed_key(mesh, spec):
+  """Random values depend only on the key and the global position: bit-identical when sharded.
+  (Only exact operations are applied to them here: XLA may fuse float arithmetic differently.)"""
+  def fn(key, x):
+    k1, k2, k3 = jax.random.split(key, 3)
+    keep = jax.random.bernoulli(k3, 0.7, x.shape)
+    return (jax.random.normal(k1, (8, 16)), jax.random.uniform(k2, (8, 16)) * x,
+            jnp.where(keep, x, 0.0), jax.random.randint(k1, (8, 16), 0, 100),
+            jax.random.fold_in(k2, 3), jax.random.bits(k3, (16, 8)).T,
+            jax.random.normal(jax.random.fold_in(k1, 1), (4, 8, 16)))
+
+  check(fn, (jax.random.key(42), randn(8, 16)), (P(), spec), mesh, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P("a", "b"))], ids=["x8", "a2b4"])
+def test_random_raw_key(mesh, spec):
+  def fn(key, x):
+    noise = jax.random.normal(key, (16, 8)).T
+    keys = jax.random.split(key, 8)
+    per_row = jax.vmap(lambda k: jax.random.uniform(k, (16,)))(keys)
+    return x * noise, per_row + x, jax.random.bernoulli(key, 0.5, (8, 16)), keys
+
+  check(fn, (jax.random.PRNGKey(7), randn(8, 16)), (P(), spec), mesh, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh,spec", [("a2b4", P("b")), ("a2b2c2", P(ABC))],
+                         ids=["a2b4", "a2b2c2"])
+def test_random_sharded_keys(mesh, spec):
+  def fn(keys, x):
+    noise = jax.vmap(lambda k: jax.random.normal(k, (16,)))(keys)
+    # key arrays are indexed like any other array: slice, gather, reverse
+    picked = (keys[2], keys[jnp.array([5, 1, 1])], keys[::-1], keys[1:5])
+    return noise, jnp.where(noise > 0, x, noise), picked, jax.random.uniform(keys[3], (8,))
+
+  keys = jax.random.split(jax.random.key(0), 8)
+  check(fn, (keys, randn(8, 16)), (spec, spec), mesh, rtol=0, atol=0)
+
+
+# --- control flow and calls ----------------------------------------------------------------------
+
+CONTROL = [
+    ("x8", P(), P()),
+    ("x8", P("x"), P(None, "x")),
+    ("a2b4", P("a", "b"), P("b", "a")),
+    ("a2b4", P(("a", "b")), P(None, "a")),
+    ("a2b2c2", P("a", ("b", "c")), P(ABC)),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL, ids=_ids(CONTROL))
+def test_scan(mesh, sx, sw):
+  def fn(c, xs, w):
+    def body(carry, x):
+      h, n = carry
+      h = jnp.tanh(h @ w + x)
+      return (h, n + 1), h.sum(axis=1)
+
+    (h, n), ys = lax.scan(body, (c, jnp.int32(0)), xs)
+    rev = lax.scan(lambda a, x: (a + x, a * x), c, xs, reverse=True)
+    return h, n, ys, rev, jnp.cumsum(xs, axis=0)
+
+  xs_spec = P(None, *tuple(sx))
+  check(fn, (randn(8, 16), randn(3, 8, 16, seed=1), randn(16, 16, seed=2) * 0.3),
+        (sx, xs_spec, sw), mesh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL[1::2] + [("x8", P("x"), P())],
+                         ids=_ids(CONTROL[1::2] + [("x8", P("x"), P())]))
+def test_scan_over_sharded_dim(mesh, sx, sw):
+  """The scanned dim itself is sharded: the scan needs it whole."""
+  def fn(xs, w):
+    return lax.scan(lambda c, x: (c @ w + x, c.sum()), jnp.zeros(16), xs)
+
+  check(fn, (randn(8, 16), randn(16, 16, seed=2) * 0.3), (sx, sw), mesh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL, ids=_ids(CONTROL))
+def test_while_loop(mesh, sx, sw):
+  def fn(x, w, n):
+    static = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w) + i, x)       # lowers to scan
+    dynamic = lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ w) + i, x)      # a while loop
+    count, y = lax.while_loop(lambda s: s[1].sum() < 1000.0,
+                              lambda s: (s[0] + 1, s[1] * 2 + 1), (0, jnp.abs(x)))
+    return static, dynamic, count, y
+
+  check(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3, np.int32(4)), (sx, sw, P()), mesh,
+        rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL, ids=_ids(CONTROL))
+def test_cond(mesh, sx, sw):
+  def fn(p, i, x, w):
+    a = lax.cond(p, lambda x, w: x @ w, lambda x, w: x - w[:8], x, w)
+    b = lax.cond(p, lambda x: x.sum(0), lambda x: x.max(0), x)
+    c = lax.switch(i, [lambda x: x * 2, lambda x: jnp.sin(x), lambda x: x.T.reshape(8, 16)], x)
+    return a, b, c
+
+  for p in (True, False):
+    check(fn, (np.bool_(p), np.int32(2 if p else 1), randn(8, 16), randn(16, 16, seed=1)),
+          (P(), P(), sx, sw), mesh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL[1:], ids=_ids(CONTROL[1:]))
+def test_nested_calls(mesh, sx, sw):
+  """jit, custom_jvp (relu / gelu / softmax / logsumexp) and remat bodies are inlined."""
+  @jax.jit
+  def inner(x, w):
+    return jax.nn.relu(x @ w)
+
+  @jax.checkpoint
+  def block(x):
+    return jax.nn.gelu(x) * jax.nn.softmax(x, axis=-1)
+
+  def fn(x, w):
+    h = inner(x, w)
+    return (block(h), jax.nn.softmax(h, axis=0), jax.nn.gelu(h, approximate=False),
+            jax.scipy.special.logsumexp(h, axis=1), jax.nn.silu(h), jax.nn.log_softmax(h),
+            jax.jit(jax.checkpoint(lambda x: jax.nn.relu(x) * 2))(h),
+            jax.nn.one_hot(jnp.argmax(h, -1), 16))
+
+  check(fn, (randn(8, 16), randn(16, 16, seed=1)), (sx, sw), mesh, rtol=1e-4, atol=1e-4)
+
+
+# --- gradients -----------------------------------------------------------------------------------
+
+def _mlp_loss(params, x, labels):
+  w1, w2, table = params
+  h = jax.nn.gelu(x @ w1) + table[labels]
+  logits = jax.nn.relu(h) @ w2
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.take_along_axis(logp, labels[:, None], axis=1).mean() + 1e-3 * (w1 ** 2).sum()
+
+
+GRAD = [
+    ("x8", (P(), P(), P()), P("x")),
+    ("x8", (P(None, "x"), P("x"), P("x")), P()),
+    ("a2b4", (P(None, "b"), P("b"), P(None, "b")), P("a")),
+    ("a2b4", (P("a", "b"), P("b", "a"), P("b")), P(("a", "b"))),
+    ("a2b2c2", (P("c", ("a", "b")), P(ABC), P("a", "c")), P(("b", "a"))),
+]
+
+
+@pytest.mark.parametrize("mesh,sp,sx", GRAD, ids=[m + str(k) for k, (m, _, _) in enumerate(GRAD)])
+def test_grad_mlp(mesh, sp, sx):
+  params = (randn(16, 16) * 0.3, randn(16, 8, seed=1) * 0.3, randn(8, 16, seed=2))
+  x, labels = randn(8, 16, seed=3), ints(8, high=8, seed=4)
+  fn = jax.value_and_grad(_mlp_loss)
+  check(fn, (params, x, labels), (sp, sx, P(*tuple(sx)[:1])), mesh,  # labels split like x
+        rtol=1e-4, atol=1e-5)
+
+
+def _conv_loss(k, x):
+  y = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  y = nn.max_pool(jax.nn.relu(y), (2, 2), strides=(2, 2))
+  return jnp.mean(nn.avg_pool(y, (2, 2), strides=(2, 2)) ** 2)
+
+
+@pytest.mark.parametrize("mesh,sk,sx", [
+    ("x8", P(), P("x")),
+    ("a2b4", P(None, None, None, "b"), P("a")),
+    ("a2b2c2", P(None, None, "a"), P("b", "c")),
+], ids=["x8", "a2b4", "a2b2c2"])
+def test_grad_conv_pool(mesh, sk, sx):
+  fn = jax.grad(_conv_loss, argnums=(0, 1))
+  check(fn, (randn(3, 3, 4, 8, seed=1), randn(8, 8, 8, 4)), (sk, sx), mesh, rtol=1e-4,
+        atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL[1::2], ids=_ids(CONTROL[1::2]))
+def test_grad_scan_cond_remat(mesh, sx, sw):
+  def loss(w, x, p):
+    @jax.checkpoint
+    def body(h, _):
+      h = jnp.tanh(h @ w)
+      return h, jnp.sort(h, axis=1)[:, -1]
+
+    h, tops = lax.scan(body, x, None, length=3)
+    h = lax.cond(p, lambda h: jnp.cumsum(h, axis=0), lambda h: jnp.flip(h, 1), h)
+    return (h ** 2).sum() + tops.sum() + jnp.max(h[::2, 1:5])
+
+  fn = jax.grad(loss, argnums=(0, 1))
+  for p in (True, False):
+    check(fn, (randn(16, 16) * 0.3, randn(8, 16, seed=1), np.bool_(p)), (sw, sx, P()), mesh,
+          rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh,st,si", EMBED[1::2], ids=_ids(EMBED[1::2]))
+def test_grad_gather_scatter(mesh, st, si):
+  """The gradient of a gather is a scatter-add, of a pad a slice, of a concat a split."""
+  def loss(table, ids):
+    emb = table[ids]                                   # [4, 8, 16]
+    h = jnp.concatenate([emb, jnp.pad(emb[:, :6], ((0, 0), (1, 1), (0, 0)))], axis=-1)
+    return jnp.sum(jnp.sin(h) * jnp.arange(32)) + jnp.sum(table.at[ids[0]].set(0.0) ** 2)
+
+  check(jax.grad(loss), (randn(32, 16), ints(4, 8, high=32)), (st, si), mesh, rtol=1e-4,
+        atol=1e-5)
+
+
+# --- uneven dims ---------------------------------------------------------------------------------
+
+UNEVEN = {
+    "elementwise": lambda x, y: jnp.tanh(x) * y + 1,
+    "reduce": lambda x, y: (x.sum(0), x.max(1), jnp.argmax(x, 0), jnp.prod(1 + 0.1 * y, 1)),
+    "dot": lambda x, y: x @ y.T,
+    "transpose_reshape": lambda x, y: (x.T + y.T, x.reshape(3, 20) + y.reshape(3, 20)),
+    "cumsum_sort": lambda x, y: (jnp.cumsum(x, 0) + jnp.cumsum(y, 1), jnp.sort(x, 0)),
+    "slice_pad_concat": lambda x, y: (x[1:5], y[:, 3:7], jnp.pad(x, ((1, 0), (2, 3))),
+                                      jnp.concatenate([x, y], 0)),
+    "gather_iota": lambda x, y: (x[jnp.array([5, 0, 3])], x + jnp.arange(10)),
+}
+UNEVEN_SPECS = [
+    ("x8", P("x"), P(None, "x")),
+    ("a2b4", P("b", "a"), P("a", "b")),
+    ("a2b2c2", P(("a", "b")), P("c", ("a", "b"))),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,sy", UNEVEN_SPECS, ids=_ids(UNEVEN_SPECS))
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_uneven_dims(name, mesh, sx, sy):
+  """[6, 10] operands split 8, 4 or 2 ways: padded shards (backend='spmd')."""
+  plan = assert_partitioned_matches(UNEVEN[name], (randn(6, 10), randn(6, 10, seed=1)),
+                                    (sx, sy), mesh, backend="spmd")
+  assert_all_rules(plan)
