@@ -1,5 +1,6 @@
-"""backend="xla": ``jax.jit`` of the program with our propagated sharding as a constraint on
-every intermediate, so XLA's SPMD partitioner inserts the communication."""
+"""backend="xla": ``jax.jit`` of the program with our shardings as constraints on every operand
+(as the schedule reads it) and every result, so XLA's SPMD partitioner inserts the
+communication."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -18,6 +19,7 @@ _ANNOTATIONS = ("spmd_annotate", "sharding_constraint")
 
 def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
   program, shardings = analysis.program, analysis.propagation.shardings
+  reads = {s.op: s.reads for s in analysis.schedule.walk()}
 
   def named(s) -> NamedSharding:
     return NamedSharding(mesh, s.to_spec())
@@ -25,6 +27,10 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
   def run(ops: list[Op], env: dict[Value, Any]) -> None:
     for op in ops:
       args = [_read(env, x) for x in op.inputs]
+      if not op.regions:  # each operand as the schedule reads it (XLA needs no guessing)
+        args = [a if r is None or not isinstance(x, Value) else
+                jax.lax.with_sharding_constraint(a, named(r))
+                for a, x, r in zip(args, op.inputs, reads[op])]
       outs = args[:1] if op.primitive in _ANNOTATIONS else bind(op, args)
       for v, out in zip(op.outputs, outs):
         env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
