@@ -197,10 +197,13 @@ def _select_and_scatter_add(local: Local, args: list) -> list:
 @_register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 def _reduce_window(local: Local, args: list) -> list:
   op, p = local.op, local.op.params
-  pad_value = args[1] if op.primitive == "reduce_window" else identity(
-      {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}[
-          op.primitive], args[0].dtype)
-  args, halo_dims = local.with_halos(args, pad_value)
+  if op.primitive == "reduce_window":  # operands then their inits; padded dims are whole
+    arrays = len(args) // 2
+    pad_values = list(args[arrays:])
+  else:
+    pad_values = [identity({"reduce_window_sum": "sum", "reduce_window_max": "max",
+                            "reduce_window_min": "min"}[op.primitive], args[0].dtype)]
+  args, halo_dims = local.with_halos(args, *pad_values)
   if not halo_dims:
     return bind(op, args)
   padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))

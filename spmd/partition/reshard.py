@@ -151,6 +151,14 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
       emit("all-gather", lost, lambda d=d, keep=keep: dims[d].__delitem__(slice(keep, None)), d)
   # 6. What is left is more tiling: local slices.
   slice_free()
+  # 7. Uneven dims whose remaining axes cannot be cut from their blocks: whole, then sliced.
+  for d, want in enumerate(target):
+    if dims[d] != want:
+      if dims[d]:
+        emit("all-gather", list(dims[d]), lambda d=d: dims[d].clear(), d)
+      emit("dynamic-slice", list(want), lambda d=d, want=want: dims[d].extend(want), d)
+  if cur() != dst:
+    raise AssertionError(f"reshard {src} -> {dst} of {tuple(shape)} stopped at {cur()}")
   return tuple(steps)
 
 

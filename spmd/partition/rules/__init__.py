@@ -37,8 +37,10 @@ def rule_for(op: Op) -> tuple[OpShardingRule, bool]:
   fn = RULES.get(op.primitive)
   if fn is None:
     return replicated_rule(op), False
-  floats = all(jnp.issubdtype(x.aval.dtype, jnp.inexact) for x in (*op.inputs, *op.outputs))
-  linear_in, additive = linearity(op.primitive, len(op.inputs), floats)
+  avals = [x.aval for x in (*op.inputs, *op.outputs)]
+  widening = (bool(op.inputs) and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals)
+              and op.outputs[0].aval.dtype.itemsize >= op.inputs[0].aval.dtype.itemsize)
+  linear_in, additive = linearity(op.primitive, len(op.inputs), widening)
   return dataclasses.replace(fn(op), linear_in=linear_in, additive=additive), True
 
 

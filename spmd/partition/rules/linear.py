@@ -17,11 +17,12 @@ ADDITIVE: dict[str, tuple[int, ...]] = {
 LINEAR_EACH: dict[str, tuple[int, ...]] = {
     "mul": (0, 1), "dot_general": (0, 1), "conv_general_dilated": (0, 1), "div": (0,),
 }
-# convert_element_type is linear only between floating dtypes: checked at the op.
+# convert_element_type: only from a float to an equal or wider float (narrowing each partial
+# sum before adding them would round several times where the program rounds once).
 FLOAT_ONLY = {"convert_element_type": (0,)}
 
 
-def linearity(primitive: str, num_inputs: int, float_to_float: bool) -> tuple[tuple[int, ...], bool]:
+def linearity(primitive: str, num_inputs: int, widening_float: bool) -> tuple[tuple[int, ...], bool]:
   """(operand positions, additive) for ``primitive``; ``((), False)`` if sums must be done first."""
   if primitive == "concatenate":
     return tuple(range(num_inputs)), True
@@ -29,6 +30,6 @@ def linearity(primitive: str, num_inputs: int, float_to_float: bool) -> tuple[tu
     return ADDITIVE[primitive], True
   if primitive in LINEAR_EACH:
     return LINEAR_EACH[primitive], False
-  if primitive in FLOAT_ONLY and float_to_float:
+  if primitive in FLOAT_ONLY and widening_float:
     return FLOAT_ONLY[primitive], True
   return (), False

@@ -4,7 +4,10 @@ select_and_scatter_add), or whole (select_and_gather_add, select_and_scatter).""
 from __future__ import annotations
 
 from spmd.partition.halo import Window
-from spmd.partition.ir import Op, Value
+import numpy as np
+from jax.extend import core as jcore
+
+from spmd.partition.ir import Literal, Op, Value
 from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
@@ -23,24 +26,65 @@ def _windowed_dims(op: Op) -> set[int]:
 
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 def reduce_window(op: Op) -> OpShardingRule:
+  """Every array operand reads a windowed dim through the window (a halo factor). Halo rows
+  outside the array hold the init value while XLA leaves padding out of the reduction: the
+  generic reduce_window (any computation, several operands) keeps a padded windowed dim whole
+  unless combining the init once more changes nothing."""
   p, moved = op.params, _windowed_dims(op)
   shape = op.outputs[0].shape
   rank = len(shape)
   ones = (1,) * rank
+  arrays = [k for k, x in enumerate(op.inputs) if isinstance(x, Value) and len(x.shape) == rank]
   b = RuleBuilder()
-  dims = []
+  operand_dims: list[list] = [[] for _ in op.inputs]
+  result = []
   for d, n in enumerate(shape):
     if d not in moved:
-      dims.append(b.factor(n))
+      f = b.factor(n)
+      result.append(f)
+      for k in arrays:
+        operand_dims[k].append(f)
+      continue
+    if (op.primitive == "reduce_window" and tuple(p["padding"][d]) != (0, 0)
+        and not _init_absorbs(op)):
+      result.append(b.factor(n, WHOLE))
+      for k in arrays:
+        operand_dims[k].append(b.factor(op.inputs[k].aval.shape[d], PERM))
       continue
     window = Window(op.inputs[0].aval.shape[d], n, p["window_dimensions"][d],
                     p["window_strides"][d], *p["padding"][d], p.get("base_dilation", ones)[d],
                     p.get("window_dilation", ones)[d])
-    dims.append(b.windowed(0, d, window))
-  arrays = [x for x in op.inputs if isinstance(x, Value) and len(x.shape) == rank]
-  operands = [dims if x in arrays else None if not isinstance(x, Value) else [None] * len(x.shape)
-              for x in op.inputs]
-  return b.build(operands, [dims] * len(op.outputs))
+    f = b.windowed(arrays[0], d, window)
+    for k in arrays[1:]:
+      b.windowed(k, d, window, factor=f)
+    result.append(f)
+    for k in arrays:
+      operand_dims[k].append(f)
+  operands = [operand_dims[k] if k in arrays else
+              None if not isinstance(x, Value) else [None] * len(x.shape)
+              for k, x in enumerate(op.inputs)]
+  return b.build(operands, [result] * len(op.outputs))
+
+
+def _init_absorbs(op: Op) -> bool:
+  """Whether f(f(a, init), init) == f(a, init) on sample values: then padding filled with the
+  init (an identity, or an idempotent combiner) gives what XLA gives by skipping padding."""
+  arrays = len(op.inputs) // 2
+  inits = op.inputs[arrays:]
+  if not all(isinstance(x, Literal) for x in inits):
+    return False
+  closed = jcore.ClosedJaxpr(op.params["jaxpr"], op.params["consts"])
+  combine = jcore.jaxpr_as_fun(closed)
+  init = [np.asarray(x.val, x.aval.dtype) for x in inits]
+  for sample in (-np.inf, -2.5, -1.0, 0.0, 0.5, 1.0, 3.0, np.inf):
+    a = [np.asarray(sample).astype(x.dtype) if np.isfinite(sample) or x.dtype.kind == "f"
+         else np.asarray(0, x.dtype) for x in init]
+    once = combine(*a, *init)
+    twice = combine(*once, *init)
+    if not all(np.array_equal(np.asarray(u), np.asarray(v), equal_nan=True)
+               for u, v in zip(once, twice)):
+      return False
+  return True
 
 
 @register("select_and_scatter_add")
