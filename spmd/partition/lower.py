@@ -94,6 +94,7 @@ class _Interpreter:
       x = env[(t.value, t.src)]
       for step in t.steps:
         x = self.step(x, step, t.value.shape)
+        env.setdefault((t.value, step.after), x)  # forms passed through (schedule.acquire)
       env[(t.value, t.dst)] = x
 
   def step(self, x: Any, step: ReshardStep, shape: tuple[int, ...]) -> Any:
