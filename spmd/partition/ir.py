@@ -95,16 +95,22 @@ class Program:
 
   def all_ops(self) -> list[Op]:
     """Every op, region ops right after their owner, in index order."""
-    out: list[Op] = []
+    return [op for op, _ in depth_first(self.ops)]
 
-    def walk(ops: list[Op]) -> None:
-      for op in ops:
-        out.append(op)
-        for region in op.regions:
-          walk(region.ops)
 
-    walk(self.ops)
-    return out
+def depth_first(items: list, children: Any = lambda item: [r.ops for r in item.regions]
+                ) -> list[tuple[Any, int]]:
+  """(item, nesting depth) of every item, each followed by those of its regions."""
+  out: list[tuple[Any, int]] = []
+
+  def visit(level: list, depth: int) -> None:
+    for item in level:
+      out.append((item, depth))
+      for inner in children(item):
+        visit(inner, depth + 1)
+
+  visit(items, 0)
+  return out
 
 
 def source_line(eqn: Any) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.halo import Halo
-from spmd.partition.ir import Op, Program, Value
+from spmd.partition.ir import Op, Program, Value, depth_first
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer, schedule
@@ -104,7 +104,7 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, prop.shardings))
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
-          for op, depth in _ops_with_depth(program)]
+          for op, depth in depth_first(program.ops)]
   for k, atom in enumerate(program.outputs):
     cols = tuple(_collective(step, None, t) for t in sched.exit if t.tensor == f"output {k}"
                  for step in t.steps if step.communicates)
@@ -167,19 +167,6 @@ def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
       out.append(f"op {op.index} ({op.primitive} at {op.source}): dim {w.dim} cannot be exchanged "
                  "with neighbours (the halo would be as wide as the rest of the array, or uneven "
                  f"blocks would not mirror), so it is gathered whole ({read})")
-  return out
-
-
-def _ops_with_depth(program: Program) -> list[tuple[Op, int]]:
-  out: list[tuple[Op, int]] = []
-
-  def walk(ops: list[Op], depth: int) -> None:
-    for op in ops:
-      out.append((op, depth))
-      for region in op.regions:
-        walk(region.ops, depth + 1)
-
-  walk(program.ops, 0)
   return out
 
 

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from spmd.partition.execution import Execution, plan_execution
 from spmd.partition.halo import Halo, halo_piece
-from spmd.partition.ir import Op, Program, Region, Value
+from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -60,16 +60,8 @@ class Schedule:
   outputs: tuple[TensorSharding, ...]
 
   def walk(self) -> list[ScheduledOp]:
-    out: list[ScheduledOp] = []
-
-    def visit(ops: list[ScheduledOp]) -> None:
-      for s in ops:
-        out.append(s)
-        for r in s.regions:
-          visit(r.ops)
-
-    visit(self.ops)
-    return out
+    """Every scheduled op, region ops right after their owner."""
+    return [s for s, _ in depth_first(self.ops)]
 
 
 class _Scheduler:
@@ -188,19 +180,9 @@ class _Scheduler:
     inputs: list[list[TensorSharding | None]] = [[None] * len(r.inputs) for r in op.regions]
     for ex in execs:
       for v, need in zip(ex.constraint.operands, ex.needs):
-        if v is None:
-          continue
-        if not _assign(op.inputs, reads, v, need):
-          for r, region in enumerate(op.regions):
-            if _assign(region.outputs, exits[r], v, need):
-              break
+        _place(v, need, op.inputs, reads, [r.outputs for r in op.regions], exits)
       for v, made in zip(ex.constraint.results, ex.produces):
-        if v is None:
-          continue
-        if not _assign(op.outputs, writes, v, made):
-          for r, region in enumerate(op.regions):
-            if _assign(region.inputs, inputs[r], v, made):
-              break
+        _place(v, made, op.outputs, writes, [r.inputs for r in op.regions], inputs)
     transfers: list[Transfer] = []
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
       if isinstance(x, Value):
@@ -241,6 +223,16 @@ def _partial_ok(program: Program, by_op: dict[int, list[Constraint]]) -> dict[Va
     if isinstance(x, Value):
       ok[x] = False
   return ok
+
+
+def _place(v: Value | None, sharding: TensorSharding, outer, outer_slots: list, regions: list,
+           region_slots: list) -> None:
+  """Puts a link's sharding in the slot of the outer atom ``v`` is, else of the region atom."""
+  if v is None or _assign(outer, outer_slots, v, sharding):
+    return
+  for atoms, slots in zip(regions, region_slots):
+    if _assign(atoms, slots, v, sharding):
+      return
 
 
 def _assign(atoms, slots: list, v: Value, sharding: TensorSharding) -> bool:
