@@ -6,6 +6,12 @@ and its outputs, on one of three 8-device meshes. Its ``repr`` is a runnable rep
 failing example prints as code. Every dim is a power of two no larger than the shapes allow, and
 every drawn spec divides the dims it shards (uneven sharding is out of scope here).
 
+The plan describes the program spmd emits; XLA then simplifies it (common subexpressions,
+``x - x``, ``abs(abs(x))``, ``slice(concatenate(...))``), which merges or deletes collectives that
+feed equal or unused values. So the generator never writes one computation twice (up to views:
+reshape, broadcast, transpose, annotate) nor such foldable forms: a plan/HLO difference is then
+the partitioner's. Annotations are not deduplicated: the partitioner itself must handle those.
+
 Profiles: ``ci`` (default, bounded and derandomized) and ``thorough`` (many more examples), picked
 with ``SPMD_HYPOTHESIS_PROFILE=thorough``.
 """
@@ -200,7 +206,7 @@ class _Builder:
   dtype: str
   inputs: list[Input] = field(default_factory=list)
   values: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
-  data: dict[str, str] = field(default_factory=dict)  # value -> the value it only reshapes
+  data: dict[str, str] = field(default_factory=dict)  # value -> root: the value it is a view of
   unary: dict[str, str] = field(default_factory=dict)  # value -> the unary template that made it
   made_by: dict[str, str] = field(default_factory=dict)  # value -> the OPS entry that made it
   sigs: set[tuple] = field(default_factory=set)  # what each value computes, up to views
