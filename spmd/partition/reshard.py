@@ -41,11 +41,6 @@ class ReshardStep:
     return self.kind in COLLECTIVE_KINDS
 
 
-def local_bytes(sharding: TensorSharding, shape: Sequence[int], itemsize: int,
-                mesh: MeshShape) -> int:
-  return math.prod(sharding.local_shape(shape, mesh)) * itemsize
-
-
 def _shard(n: int, count: int) -> int:
   return -(-n // count)
 

@@ -61,10 +61,6 @@ class TensorSharding:
     """Every mesh axis that tiles a dimension, in dimension order."""
     return tuple(a for dim in self.dims for a in dim)
 
-  @property
-  def is_replicated(self) -> bool:
-    return not self.axes and not self.partial
-
   def to_spec(self) -> P:
     return P(*(None if not d else d[0] if len(d) == 1 else d for d in self.dims))
 
