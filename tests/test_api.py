@@ -139,11 +139,11 @@ def test_conflicting_annotations_are_reported_with_their_cost(mesh):
 
 def test_primitive_without_rule_runs_replicated_and_is_reported(mesh):
   def h(a):
-    return jnp.linalg.cholesky(a @ a.T + 16 * jnp.eye(8))
+    return jax.lax.approx_max_k(a @ a.T, 3)[0] * 2
 
   g = spmd.partition(h, mesh=mesh, in_specs=P("data", None))
   plan = g.plan(X)
-  assert any("cholesky" in w and "no sharding rule" in w and "test_api.py" in w
+  assert any("approx_top_k" in w and "no sharding rule (no rule yet" in w and "test_api.py" in w
              for w in plan.warnings)
   np.testing.assert_allclose(g(X), h(X), rtol=1e-5, atol=1e-5)
 

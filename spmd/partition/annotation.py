@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.ir import Op
+from spmd.partition.primitives import describe
 
 annotate_p = Primitive("spmd_annotate")
 annotate_p.def_impl(lambda x, *, spec: x)
@@ -50,18 +51,45 @@ def annotate(x: Any, spec: P) -> Any:
   return jax.tree_util.tree_map(one, x)
 
 
-def annotation_spec(op: Op) -> tuple[P, frozenset[int]] | None:
-  """The spec an annotation op asks for and its open (unconstrained) dims; None if not one."""
-  if op.primitive == "spmd_annotate":
-    spec = op.params["spec"]
-    return spec, frozenset(d for d, e in enumerate(spec) if e is P.UNCONSTRAINED)
-  if op.primitive == "sharding_constraint":
-    sharding = op.params["sharding"]
-    if not isinstance(sharding, NamedSharding):
-      raise TypeError(f"with_sharding_constraint at {op.source}: spmd.partition needs a "
-                      f"PartitionSpec or NamedSharding, got {type(sharding).__name__}")
-    spec = sharding.spec
-    open_dims = set(op.params.get("unconstrained_dims") or ())
-    open_dims |= {d for d, e in enumerate(spec) if e is P.UNCONSTRAINED}
-    return spec, frozenset(open_dims)
-  return None
+Request = tuple[P, frozenset[int]]  # the spec asked for, and its open (unconstrained) dims
+
+
+def annotation_spec(op: Op) -> Request | None:
+  """What an op asks of its result's sharding: an annotation's spec, or the ``out_sharding=`` a
+  user gave an op under an Explicit mesh; None if it asks nothing."""
+  info = describe(op.eqn.primitive)
+  if info is not None and info.annotation is not None:
+    return info.annotation(op)
+  return _out_sharding(op)
+
+
+def annotate_request(op: Op) -> Request:
+  spec = op.params["spec"]
+  return spec, frozenset(d for d, e in enumerate(spec) if e is P.UNCONSTRAINED)
+
+
+def constraint_request(op: Op) -> Request:
+  sharding = op.params["sharding"]
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError(f"with_sharding_constraint at {op.source}: spmd.partition needs a "
+                    f"PartitionSpec or NamedSharding, got {type(sharding).__name__}")
+  spec = sharding.spec
+  open_dims = set(op.params.get("unconstrained_dims") or ())
+  open_dims |= {d for d, e in enumerate(spec) if e is P.UNCONSTRAINED}
+  return spec, frozenset(open_dims)
+
+
+def _out_sharding(op: Op) -> Request | None:
+  """Under an Explicit mesh ops record their result's sharding in ``out_sharding`` (einsum, dot,
+  reduce) or ``sharding`` (reshape, broadcast, convert): the dims it names mesh axes for are a
+  request; the dims it leaves None stay open, since JAX writes the shardings it infers into the
+  same params and spmd cannot tell a user's None from an inferred one."""
+  sharding = op.params.get("out_sharding", op.params.get("sharding"))
+  if not isinstance(sharding, NamedSharding) or len(op.outputs) != 1:
+    return None
+  spec = sharding.spec
+  if not any(entry not in (None, P.UNCONSTRAINED) for entry in spec):
+    return None
+  rank = len(op.outputs[0].shape)
+  return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
+                         or spec[d] is P.UNCONSTRAINED)

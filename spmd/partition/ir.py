@@ -14,15 +14,8 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-# Call-like primitives whose body is inlined: sharding decisions see through them.
-INLINED_CALLS = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
-# Control flow whose bodies become regions: param names of the closed jaxprs, in region order.
-REGION_PARAMS = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+from spmd.partition.jax_compat import open_jaxpr
+from spmd.partition.primitives import describe
 
 _ids = itertools.count()
 # Frames inside spmd.partition (e.g. spmd.annotate) are not the user's source line.
@@ -134,7 +127,7 @@ class _Builder:
              call_site: str = "") -> Region:
     """Builds a region from a closed jaxpr; with ``inputs`` its invars are bound to those atoms.
     Ops with no user frame of their own (inside library functions) take ``call_site``."""
-    jaxpr, consts = _open(closed)
+    jaxpr, consts = open_jaxpr(closed)
     env: dict[Any, Atom] = {}
     for var, c in zip(jaxpr.constvars, consts):
       env[var] = self._const(var, c)
@@ -153,30 +146,25 @@ class _Builder:
   def _eqns(self, eqns: list, env: dict, ops: list[Op], call_site: str) -> None:
     for eqn in eqns:
       inputs = tuple(_read(env, v) for v in eqn.invars)
-      name = eqn.primitive.name
+      info = describe(eqn.primitive)
       source = source_line(eqn) or call_site
-      if name in INLINED_CALLS and INLINED_CALLS[name] in eqn.params:
-        body = eqn.params[INLINED_CALLS[name]]
-        inner_inputs = inputs[len(inputs) - len(_open(body)[0].invars):]
+      if info is not None and info.inline in eqn.params:
+        body = eqn.params[info.inline]
+        inner_inputs = inputs[len(inputs) - len(open_jaxpr(body)[0].invars):]
         inlined = self.region(body, inner_inputs, source)
         ops.extend(inlined.ops)
         for var, atom in zip(eqn.outvars, inlined.outputs):
           env[var] = atom
         continue
       outputs = tuple(Value(v.aval) for v in eqn.outvars)
-      op = Op(next(self.counter), name, dict(eqn.params), inputs, outputs, source, eqn)
+      op = Op(next(self.counter), eqn.primitive.name, dict(eqn.params), inputs, outputs, source,
+              eqn)
       ops.append(op)
-      if name in REGION_PARAMS:
-        closed = [c for p in REGION_PARAMS[name] for c in _as_list(eqn.params[p])]
+      if info is not None and info.control is not None:
+        closed = [c for p in info.control.bodies for c in _as_list(eqn.params[p])]
         op.regions = tuple(self.region(c, call_site=source) for c in closed)
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
-
-
-def _open(closed: Any) -> tuple[Any, list]:
-  if isinstance(closed, jcore.ClosedJaxpr):
-    return closed.jaxpr, list(closed.consts)
-  return closed, []  # remat/checkpoint carry an open jaxpr without consts
 
 
 def _as_list(x: Any) -> list:

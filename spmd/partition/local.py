@@ -3,7 +3,7 @@
 The default re-binds the primitive on local arrays (elementwise ops, reductions over whole or
 partial dims, dot, sort, ...). Ops whose params carry shapes, whose values depend on the global
 position (iota, random bits), or whose sharded dims need masks (gather of owned rows, scatter
-into owned rows) have an entry in ``LOCAL``.
+into owned rows) have a function here, named in their record in ``catalog.py``.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jax.extend.random import threefry2x32_p
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import Halo, geometry, halo_piece, mirror, span
 from spmd.partition.ir import Op
+from spmd.partition.primitives import describe
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -60,17 +61,7 @@ class Local:
     return shard_index(s.dims[dim]) * local_size
 
 
-LocalFn = Callable[[Local, list], list]
-LOCAL: dict[str, LocalFn] = {}
 _SHARDING_PARAMS = ("sharding", "out_sharding")
-
-
-def _register(*names: str) -> Callable[[LocalFn], LocalFn]:
-  def deco(fn: LocalFn) -> LocalFn:
-    for name in names:
-      LOCAL[name] = fn
-    return fn
-  return deco
 
 
 def bind(op: Op, args: list, **overrides: Any) -> list:
@@ -81,27 +72,24 @@ def bind(op: Op, args: list, **overrides: Any) -> list:
 
 
 def run_local(local: Local, args: list) -> list:
-  fn = LOCAL.get(local.op.primitive)
-  return fn(local, args) if fn else bind(local.op, args)
+  info = describe(local.op.eqn.primitive)
+  return info.local(local, args) if info and info.local else bind(local.op, args)
 
 
-@_register("spmd_annotate", "sharding_constraint", "reshard")
-def _identity(local: Local, args: list) -> list:
-  return args[:1]
+def operands(local: Local, args: list) -> list:
+  """The identity: results are the operands (annotations, device_put)."""
+  return args[:len(local.op.outputs)]
 
 
-@_register("broadcast_in_dim")
-def _broadcast_in_dim(local: Local, args: list) -> list:
+def broadcast_in_dim(local: Local, args: list) -> list:
   return bind(local.op, args, shape=local.out_shape())
 
 
-@_register("reshape")
-def _reshape(local: Local, args: list) -> list:
+def reshape(local: Local, args: list) -> list:
   return bind(local.op, args, new_sizes=local.out_shape(), dimensions=None)
 
 
-@_register("iota")
-def _iota(local: Local, args: list) -> list:
+def iota(local: Local, args: list) -> list:
   p, shape = local.op.params, local.out_shape()
   (out,) = bind(local.op, args, shape=shape)
   d = p["dimension"]
@@ -110,8 +98,7 @@ def _iota(local: Local, args: list) -> list:
   return [out]
 
 
-@_register("slice")
-def _slice(local: Local, args: list) -> list:
+def slice_(local: Local, args: list) -> list:
   p, op = local.op.params, local.op
   args, _ = local.with_halos(args, 0)
   x = args[0]
@@ -132,15 +119,13 @@ def _slice(local: Local, args: list) -> list:
               strides=None if p["strides"] is None else tuple(strides))
 
 
-@_register("pad")
-def _pad(local: Local, args: list) -> list:
+def pad(local: Local, args: list) -> list:
   args, halo_dims = local.with_halos(args, args[1])
   config = [(0, 0, 0) if d in halo_dims else c for d, c in enumerate(local.op.params["padding_config"])]
   return bind(local.op, args, padding_config=tuple(config))
 
 
-@_register("rev")
-def _rev(local: Local, args: list) -> list:
+def rev(local: Local, args: list) -> list:
   """Reverses the local block after taking the mirrored shard's block along sharded dims."""
   x, chain = args[0], ()
   for m in local.halos:
@@ -150,8 +135,7 @@ def _rev(local: Local, args: list) -> list:
   return bind(local.op, [x])
 
 
-@_register("concatenate")
-def _concatenate(local: Local, args: list) -> list:
+def concatenate(local: Local, args: list) -> list:
   """Along a sharded dim each operand's rows for this shard come from its halo span (or, for an
   operand held whole, from padding it into place); rows are taken by their global index."""
   op, d = local.op, local.op.params["dimension"]
@@ -176,8 +160,7 @@ def _concatenate(local: Local, args: list) -> list:
   return [out]
 
 
-@_register("select_and_scatter_add")
-def _select_and_scatter_add(local: Local, args: list) -> list:
+def select_and_scatter_add(local: Local, args: list) -> list:
   """Runs on the windows covering this shard's rows, then keeps its own rows."""
   op, p = local.op, local.op.params
   never_selected = "max" if op.params["select_prim"] in (lax.ge_p, lax.gt_p) else "min"
@@ -194,30 +177,31 @@ def _select_and_scatter_add(local: Local, args: list) -> list:
   return [out]
 
 
-@_register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
-def _reduce_window(local: Local, args: list) -> list:
-  op, p = local.op, local.op.params
-  if op.primitive == "reduce_window":  # operands then their inits; padded dims are whole
-    arrays = len(args) // 2
-    pad_values = list(args[arrays:])
-  else:
-    pad_values = [identity({"reduce_window_sum": "sum", "reduce_window_max": "max",
-                            "reduce_window_min": "min"}[op.primitive], args[0].dtype)]
-  args, halo_dims = local.with_halos(args, *pad_values)
-  if not halo_dims:
-    return bind(op, args)
-  padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))
-  base = tuple(1 if d in halo_dims else b for d, b in enumerate(p["base_dilation"]))
-  return bind(op, args, padding=padding, base_dilation=base)
+def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
+  """reduce_window_sum/max/min (``combiner``), or the generic one (None: operands then their
+  inits, whose padded dims are whole)."""
+
+  def run(local: Local, args: list) -> list:
+    p = local.op.params
+    if combiner is None:
+      pad_values = list(args[len(args) // 2:])
+    else:
+      pad_values = [identity(combiner, args[0].dtype)]
+    args, halo_dims = local.with_halos(args, *pad_values)
+    if not halo_dims:
+      return bind(local.op, args)
+    padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))
+    base = tuple(1 if d in halo_dims else b for d, b in enumerate(p["base_dilation"]))
+    return bind(local.op, args, padding=padding, base_dilation=base)
+
+  return run
 
 
-@_register("dynamic_slice")
-def _dynamic_slice(local: Local, args: list) -> list:
+def dynamic_slice(local: Local, args: list) -> list:
   return bind(local.op, args, slice_sizes=local.out_shape())
 
 
-@_register("conv_general_dilated")
-def _conv(local: Local, args: list) -> list:
+def conv(local: Local, args: list) -> list:
   """A device holding a share of the groups runs that many (lhs features = groups x per-group)."""
   p, op = local.op.params, local.op
   dn = p["dimension_numbers"]
@@ -236,8 +220,7 @@ def _conv(local: Local, args: list) -> list:
   return bind(op, args, **params)
 
 
-@_register("random_bits")
-def _random_bits(local: Local, args: list) -> list:
+def random_bits(local: Local, args: list) -> list:
   """Threefry bits are a function of (key, global position): each device computes its block."""
   p, key = local.op.params, args[0]
   if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
@@ -275,8 +258,7 @@ def _block(x: jax.Array, s: TensorSharding) -> jax.Array:
   return x
 
 
-@_register("gather")
-def _gather(local: Local, args: list) -> list:
+def gather(local: Local, args: list) -> list:
   """Offset and batch dims run locally; an indexed operand dim that is sharded (a reduction
   factor) gathers only the rows this device owns, zero elsewhere: the caller sums."""
   p, op = local.op.params, local.op
@@ -326,9 +308,7 @@ def _fill_value(p: dict, dtype: Any) -> Any:
   return jnp.asarray(True, dtype)
 
 
-@_register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-           "scatter_min", "scatter-max", "scatter_max")
-def _scatter(local: Local, args: list) -> list:
+def scatter(local: Local, args: list) -> list:
   """Each device applies the updates that land in the operand rows it owns (indices shifted,
   the rest dropped); when the updates themselves are split (scatter-add), only one device of
   each group keeps the operand, so the partial results sum to the answer."""

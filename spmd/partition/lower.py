@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from spmd.partition.ir import Atom, Literal, Value
 from spmd.partition.devices import permute, shard_index
 from spmd.partition.local import Local, run_local
+from spmd.partition.primitives import describe
 from spmd.partition.uneven import mask_padding
 from spmd.partition.planner import Analysis
 from spmd.partition.reshard import ReshardStep
@@ -142,7 +143,7 @@ class _Interpreter:
       self.transfers(s.transfers, env)
       args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
       if s.regions:
-        outs = CONTROL[s.op.primitive](self, s, args)
+        outs = describe(s.op.eqn.primitive).control.lower(self, s, args)
       else:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
@@ -176,43 +177,3 @@ def _all_reduce(x: Any, axes: Any, op: str) -> Any:
   if x.dtype == jnp.bool_:
     return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
   return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
-
-
-def _scan(it: _Interpreter, s: ScheduledOp, args: list) -> list:
-  op, p = s.op, s.op.params
-  nc, nk = p["num_consts"], p["num_carry"]
-  consts, init, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
-
-  def body(carry, x):
-    outs = it.region(s.regions[0], op.regions[0], [*consts, *carry, *x])
-    return outs[:nk], outs[nk:]
-
-  carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
-                       unroll=p["unroll"])
-  return [*carry, *ys]
-
-
-def _while(it: _Interpreter, s: ScheduledOp, args: list) -> list:
-  op, p = s.op, s.op.params
-  cn, bn = p["cond_nconsts"], p["body_nconsts"]
-  cond_consts, body_consts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
-
-  def cond(carry):
-    return it.region(s.regions[0], op.regions[0], [*cond_consts, *carry])[0]
-
-  def body(carry):
-    return it.region(s.regions[1], op.regions[1], [*body_consts, *carry])
-
-  return list(lax.while_loop(cond, body, list(init)))
-
-
-def _cond(it: _Interpreter, s: ScheduledOp, args: list) -> list:
-  op = s.op
-  branches = [lambda *a, r=r, region=region: it.region(r, region, a)
-              for r, region in zip(s.regions, op.regions)]
-  return list(lax.switch(args[0], branches, *args[1:]))
-
-
-CONTROL: dict[str, Callable[[_Interpreter, ScheduledOp, list], list]] = {
-    "scan": _scan, "while": _while, "cond": _cond}
-

@@ -12,10 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from spmd.partition.ir import Atom, Literal, Op, Value
 from spmd.partition.local import bind
 from spmd.partition.planner import Analysis
-
-# Identity ops whose request is already part of the propagated shardings.
-_ANNOTATIONS = ("spmd_annotate", "sharding_constraint")
-
+from spmd.partition.primitives import describe
 
 def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
   program, shardings = analysis.program, analysis.propagation.shardings
@@ -31,7 +28,8 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
         args = [a if r is None or not isinstance(x, Value) else
                 jax.lax.with_sharding_constraint(a, named(r))
                 for a, x, r in zip(args, op.inputs, reads[op])]
-      outs = args[:1] if op.primitive in _ANNOTATIONS else bind(op, args)
+      info = describe(op.eqn.primitive)  # an annotation's request is in the shardings already
+      outs = args[:1] if info is not None and info.annotation else bind(op, args)
       for v, out in zip(op.outputs, outs):
         env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
 

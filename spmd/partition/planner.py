@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.halo import Halo
 from spmd.partition.ir import Op, Program, Value, depth_first
+from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer, schedule
@@ -113,8 +114,10 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
                           (str(sched.outputs[k]),), (f"out_specs[{k}]",), cols))
   collectives = [c for r in rows for c in r.collectives]
   for op in prop.unsupported:
-    warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule: it runs "
-                    "replicated, its operands gathered whole")
+    info = describe(op.eqn.primitive)
+    why = f" ({info.reason})" if info is not None and info.reason else ""
+    warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule{why}: "
+                    "it runs replicated, its operands gathered whole")
   for conflict in prop.conflicts:
     cost = sum(c.bytes for c in by_op.get(conflict.op.index, []))
     warnings.append(

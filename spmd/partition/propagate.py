@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from spmd.partition.ir import Op, Program, Value
-from spmd.partition.rules import rule_for
-from spmd.partition.rules.control import LINKS
+from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -81,12 +80,13 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
   out: list[Constraint] = []
   unsupported: list[Op] = []
   for op in program.all_ops():
-    if op.primitive in LINKS:
-      for link in LINKS[op.primitive](op):
+    info = describe(op.eqn.primitive)
+    if info is not None and info.control is not None:
+      for link in info.control.links(op):
         out.append(Constraint(op, link.rule, _values(link.operands), _values(link.results)))
       continue
-    rule, known = rule_for(op)
-    if not known:
+    rule, info = rule_for(op)
+    if info is None or info.rule is None:
       unsupported.append(op)
     out.append(Constraint(op, rule, _values(op.inputs), _values(op.outputs)))
   return out, unsupported

@@ -1,11 +1,15 @@
 """scan / while / cond: their bodies are regions; *links* tie outer operands and results to the
-region's inputs and outputs (carries to a fixed point), each link an ordinary factor rule."""
+region's inputs and outputs (carries to a fixed point), each link an ordinary factor rule; and
+how each runs partitioned: the same control flow over region bodies replayed on local shards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Protocol, Sequence
 
-from spmd.partition.ir import Atom, Op, Value
+from jax import lax
+
+from spmd.partition.ir import Atom, Op, Region, Value
+from spmd.partition.jax_compat import scan_layout
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 
@@ -16,16 +20,6 @@ class Link:
   rule: OpShardingRule
   operands: tuple[Atom, ...]
   results: tuple[Atom, ...]
-
-
-LINKS: dict[str, Callable[[Op], list[Link]]] = {}
-
-
-def _links(name: str):
-  def deco(fn):
-    LINKS[name] = fn
-    return fn
-  return deco
 
 
 def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
@@ -41,9 +35,9 @@ def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
               tuple(operands), tuple(results))
 
 
-@_links("scan")
 def scan(op: Op) -> list[Link]:
-  nc, nk = op.params["num_consts"], op.params["num_carry"]
+  layout = scan_layout(op.params)
+  nc, nk = layout.num_consts, layout.num_carry
   length = op.params["length"]
   body = op.regions[0]
   consts, init, xs = op.inputs[:nc], op.inputs[nc:nc + nk], op.inputs[nc + nk:]
@@ -57,7 +51,6 @@ def scan(op: Op) -> list[Link]:
   return links
 
 
-@_links("while")
 def while_(op: Op) -> list[Link]:
   cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
   cond, body = op.regions
@@ -69,7 +62,6 @@ def while_(op: Op) -> list[Link]:
   return links
 
 
-@_links("cond")
 def cond(op: Op) -> list[Link]:
   branches = op.regions
   links = [identity([x], [br.inputs[k] for br in branches]) for k, x in enumerate(op.inputs[1:])]
@@ -93,3 +85,44 @@ def _stacked(operands: Sequence[Atom], results: Sequence[Atom], length: int,
   return Link(b.build([dims(x, "operands") for x in operands],
                       [dims(x, "results") for x in results], pass_through=True),
               tuple(operands), tuple(results))
+
+
+class Interpreter(Protocol):
+  """What lowering a control-flow op needs of the partitioned program's interpreter (lower.py)."""
+
+  def region(self, schedule: Any, region: Region, args: Sequence[Any]) -> list: ...
+
+
+def lower_scan(it: Interpreter, s: Any, args: list) -> list:
+  op, p = s.op, s.op.params
+  layout = scan_layout(p)
+  nc, nk = layout.num_consts, layout.num_carry
+  consts, init, xs = args[:nc], args[nc:nc + nk], args[nc + nk:]
+
+  def body(carry, x):
+    outs = it.region(s.regions[0], op.regions[0], [*consts, *carry, *x])
+    return outs[:nk], outs[nk:]
+
+  carry, ys = lax.scan(body, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+                       unroll=p["unroll"])
+  return [*carry, *ys]
+
+
+def lower_while(it: Interpreter, s: Any, args: list) -> list:
+  op, p = s.op, s.op.params
+  cn, bn = p["cond_nconsts"], p["body_nconsts"]
+  cond_consts, body_consts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
+
+  def cond_fn(carry):
+    return it.region(s.regions[0], op.regions[0], [*cond_consts, *carry])[0]
+
+  def body(carry):
+    return it.region(s.regions[1], op.regions[1], [*body_consts, *carry])
+
+  return list(lax.while_loop(cond_fn, body, list(init)))
+
+
+def lower_cond(it: Interpreter, s: Any, args: list) -> list:
+  branches = [lambda *a, r=r, region=region: it.region(r, region, a)
+              for r, region in zip(s.regions, s.op.regions)]
+  return list(lax.switch(args[0], branches, *args[1:]))

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from spmd.partition.halo import Window
 from spmd.partition.ir import Op
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 WHOLE, REDUCE = FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
 
 
-@register("conv_general_dilated")
 def conv_general_dilated(op: Op) -> OpShardingRule:
   p = op.params
   dn = p["dimension_numbers"]

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from spmd.partition.ir import Op
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 
-@register("dot_general")
 def dot_general(op: Op) -> OpShardingRule:
   (lc, rc), (lb, rb) = op.params["dimension_numbers"]
   lhs, rhs = op.inputs[0].aval.shape, op.inputs[1].aval.shape

@@ -5,11 +5,11 @@ exchanged with neighbours) and a factor computed whole on the result; untouched 
 """
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 from spmd.partition.halo import Window
 from spmd.partition.ir import Op, Value
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 PERM, WHOLE, REDUCE = FactorKind.PERMUTATION, FactorKind.NEED_REPLICATION, FactorKind.REDUCTION
@@ -25,7 +25,6 @@ def _moved_dims(b: RuleBuilder, operands: Sequence[tuple[int, ...]], result: tup
   return operand_dims, result_dims
 
 
-@register("slice")
 def slice_(op: Op) -> OpShardingRule:
   """A sliced dim is a window of one row with the slice's stride: a halo factor. A single row
   taken from a sharded dim is a reduction instead: its owner extracts it, the rest add zeros."""
@@ -52,7 +51,6 @@ def slice_(op: Op) -> OpShardingRule:
   return b.build([operand], [result], pass_through=out == shape)
 
 
-@register("pad")
 def pad(op: Op) -> OpShardingRule:
   """A padded dim is a window of one row over the (interior-)dilated, edge-padded operand."""
   shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
@@ -63,7 +61,6 @@ def pad(op: Op) -> OpShardingRule:
   return b.build([dims, None if not isinstance(op.inputs[1], Value) else []], [dims])
 
 
-@register("rev")
 def rev(op: Op) -> OpShardingRule:
   """A reversed dim is shared by operand and result: shard i's rows come from shard n-1-i."""
   shape, reversed_dims = op.inputs[0].aval.shape, set(op.params["dimensions"])
@@ -73,7 +70,6 @@ def rev(op: Op) -> OpShardingRule:
   return b.build([dims], [dims])
 
 
-@register("concatenate")
 def concatenate(op: Op) -> OpShardingRule:
   """Operand k reads the concatenated dim through a window of one row shifted by its offset: a
   halo factor over the result that every operand longer than one row shares."""
@@ -91,7 +87,6 @@ def concatenate(op: Op) -> OpShardingRule:
   return b.build(operands, [[joined if d == dim else shared[d] for d in range(len(out))]])
 
 
-@register("stack")
 def stack(op: Op) -> OpShardingRule:
   """Operand dims pass through; the new dim exists only in the result, stacked whole (a device
   keeps its slice of it afterwards, locally)."""
@@ -102,7 +97,6 @@ def stack(op: Op) -> OpShardingRule:
   return b.build([operand if isinstance(x, Value) else None for x in op.inputs], [result])
 
 
-@register("split")
 def split(op: Op) -> OpShardingRule:
   axis = op.params["axis"]
   b = RuleBuilder()
@@ -114,7 +108,14 @@ def split(op: Op) -> OpShardingRule:
   return b.build([operand], results)
 
 
-@register("dynamic_slice")
+def unstack(op: Op) -> OpShardingRule:
+  """Result k is row k of the unstacked dim: that dim is whole on the operand, the others pass."""
+  axis, shape = op.params["axis"], op.inputs[0].aval.shape
+  b = RuleBuilder()
+  operand = [b.factor(n, PERM) if d == axis else b.factor(n) for d, n in enumerate(shape)]
+  return b.build([operand], [[f for d, f in enumerate(operand) if d != axis]] * len(op.outputs))
+
+
 def dynamic_slice(op: Op) -> OpShardingRule:
   shape, out = op.inputs[0].aval.shape, op.outputs[0].shape
   b = RuleBuilder()
@@ -123,7 +124,6 @@ def dynamic_slice(op: Op) -> OpShardingRule:
   return b.build([operand] + [_scalar(x) for x in op.inputs[1:]], [result])
 
 
-@register("dynamic_update_slice")
 def dynamic_update_slice(op: Op) -> OpShardingRule:
   """Dims the update covers whole pass through all three; a dim it covers in part is whole on
   every device (the written window may straddle shards)."""
@@ -135,7 +135,6 @@ def dynamic_update_slice(op: Op) -> OpShardingRule:
   return b.build([operand, update_dims] + [_scalar(x) for x in op.inputs[2:]], [operand])
 
 
-@register("gather")
 def gather(op: Op) -> OpShardingRule:
   """Offset dims pass to the result, index batch dims pass from the indices; an operand dim that
   is indexed with slice size 1 is a reduction: each device gathers the rows it owns (others
@@ -169,12 +168,15 @@ def gather(op: Op) -> OpShardingRule:
   return b.build([operand_dims, index_dims], [result])
 
 
-@register("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-          "scatter_min", "scatter-max", "scatter_max")
-def scatter(op: Op) -> OpShardingRule:
+def scatter(additive: bool) -> Callable[[Op], OpShardingRule]:
   """Operand and result share every dim (each device applies the updates that land in its part);
-  update window dims pass when whole; for scatter-add the scatter batch dims of updates and
-  indices are reductions (each device adds its part, the results are summed)."""
+  update window dims pass when whole; when the updates are ``additive`` (scatter-add and -sub)
+  the scatter batch dims of updates and indices are reductions (each device adds its part, the
+  results are summed)."""
+  return functools.partial(_scatter, additive=additive)
+
+
+def _scatter(op: Op, additive: bool) -> OpShardingRule:
   dn = op.params["dimension_numbers"]
   operand, indices, updates = (x.aval.shape for x in op.inputs[:3])
   b = RuleBuilder()
@@ -190,12 +192,11 @@ def scatter(op: Op) -> OpShardingRule:
       update_dims[ud] = b.factor(updates[ud], WHOLE)
   scatter_update = [d for d in range(len(updates)) if d not in dn.update_window_dims]
   batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
-  adds = op.primitive in ("scatter-add", "scatter_add")
   for idim, ud in zip(range(len(indices) - 1), scatter_update):
     if idim in batching:
       f = operand_dims[batching[idim]]
     else:
-      f = b.factor(indices[idim], REDUCE if adds else WHOLE)
+      f = b.factor(indices[idim], REDUCE if additive else WHOLE)
     index_dims[idim] = update_dims[ud] = f
   rest = [None] * (len(op.inputs) - 3)
   return b.build([operand_dims, index_dims, update_dims] + rest, [operand_dims])

@@ -5,32 +5,42 @@ argmax/argmin need the whole reduced dim on one device, and so do cumulative ops
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 
 from spmd.partition.ir import Op
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
-# Reduction primitive -> the collective that combines per-device partial results.
-COMBINERS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
-             "reduce_and": "min", "reduce_or": "max"}
+def reduction(combiner: str | None) -> Callable[[Op], OpShardingRule]:
+  """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``
+  ("sum", "max" or "min"), or, with None, the reduced axis must be whole (prod, xor, argmax)."""
+  kind = FactorKind.REDUCTION if combiner else FactorKind.NEED_REPLICATION
+
+  def rule(op: Op) -> OpShardingRule:
+    shape = op.inputs[0].aval.shape
+    axes = {a % len(shape) for a in op.params["axes"]}
+    b = RuleBuilder()
+    operand = [b.factor(n, kind if d in axes else FactorKind.PASS) for d, n in enumerate(shape)]
+    result = [f for d, f in enumerate(operand) if d not in axes]
+    return b.build([operand] * len(op.inputs), [result] * len(op.outputs),
+                   combiner=combiner or "sum")
+
+  return rule
 
 
-@register(*COMBINERS, "reduce_prod", "reduce_xor", "argmax", "argmin")
-def reduce(op: Op) -> OpShardingRule:
+def variadic_reduce(op: Op) -> OpShardingRule:
+  """The generic ``reduce`` (any computation, several operands): reduced dims are whole."""
   shape = op.inputs[0].aval.shape
-  axes = {a % len(shape) for a in op.params["axes"]}
-  kind = FactorKind.REDUCTION if op.primitive in COMBINERS else FactorKind.NEED_REPLICATION
+  axes = set(op.params["dimensions"])
   b = RuleBuilder()
-  operand = [b.factor(n, kind if d in axes else FactorKind.PASS) for d, n in enumerate(shape)]
+  operand = [b.factor(n, FactorKind.NEED_REPLICATION if d in axes else FactorKind.PASS)
+             for d, n in enumerate(shape)]
   result = [f for d, f in enumerate(operand) if d not in axes]
-  return b.build([operand] * len(op.inputs), [result] * len(op.outputs),
-                 combiner=COMBINERS.get(op.primitive, "sum"))
+  arrays = len(op.inputs) // 2
+  return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs))
 
 
-@register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def cumulative(op: Op) -> OpShardingRule:
   shape = op.inputs[0].aval.shape
   b = RuleBuilder()

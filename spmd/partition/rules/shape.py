@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from spmd.partition.ir import Op
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 
-@register("broadcast_in_dim")
 def broadcast_in_dim(op: Op) -> OpShardingRule:
   x, out_shape = op.inputs[0], op.outputs[0].shape
   b = RuleBuilder()
@@ -16,14 +14,12 @@ def broadcast_in_dim(op: Op) -> OpShardingRule:
   return b.build([operand] + [None] * (len(op.inputs) - 1), [factors])
 
 
-@register("transpose")
 def transpose(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   operand = b.factors(op.inputs[0].aval.shape)
   return b.build([operand], [[operand[d] for d in op.params["permutation"]]], pass_through=True)
 
 
-@register("squeeze")
 def squeeze(op: Op) -> OpShardingRule:
   shape = op.inputs[0].aval.shape
   dropped = {d % len(shape) for d in op.params["dimensions"]}
@@ -33,7 +29,6 @@ def squeeze(op: Op) -> OpShardingRule:
                  pass_through=True)
 
 
-@register("expand_dims")
 def expand_dims(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   operand = b.factors(op.inputs[0].aval.shape)
@@ -43,13 +38,11 @@ def expand_dims(op: Op) -> OpShardingRule:
                               for d in range(len(op.outputs[0].shape))]], pass_through=True)
 
 
-@register("iota")
 def iota(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   return b.build([None] * len(op.inputs), [b.factors(op.outputs[0].shape)])
 
 
-@register("reshape")
 def reshape(op: Op) -> OpShardingRule:
   """Factors refine both shapes major to minor: (4, 6) -> (8, 3) is ([a], [b, c]) -> ([a, b], [c])."""
   src, dst = op.inputs[0].aval.shape, op.outputs[0].shape

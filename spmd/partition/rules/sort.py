@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from spmd.partition.ir import Op
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 
-@register("sort")
 def sort(op: Op) -> OpShardingRule:
   shape = op.inputs[0].aval.shape
   b = RuleBuilder()
@@ -15,7 +13,6 @@ def sort(op: Op) -> OpShardingRule:
   return b.build([dims] * len(op.inputs), [dims] * len(op.outputs))
 
 
-@register("top_k")
 def top_k(op: Op) -> OpShardingRule:
   shape = op.inputs[0].aval.shape
   axis = op.params.get("axis", len(shape) - 1) % len(shape)

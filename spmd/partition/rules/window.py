@@ -8,7 +8,6 @@ import numpy as np
 from jax.extend import core as jcore
 
 from spmd.partition.ir import Literal, Op, Value
-from spmd.partition.rules import register
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 PERM, WHOLE = FactorKind.PERMUTATION, FactorKind.NEED_REPLICATION
@@ -24,7 +23,6 @@ def _windowed_dims(op: Op) -> set[int]:
           or p.get("base_dilation", ones)[d] != 1 or p.get("window_dilation", ones)[d] != 1}
 
 
-@register("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
 def reduce_window(op: Op) -> OpShardingRule:
   """Every array operand reads a windowed dim through the window (a halo factor). Halo rows
   outside the array hold the init value while XLA leaves padding out of the reduction: the
@@ -45,7 +43,7 @@ def reduce_window(op: Op) -> OpShardingRule:
       for k in arrays:
         operand_dims[k].append(f)
       continue
-    if (op.primitive == "reduce_window" and tuple(p["padding"][d]) != (0, 0)
+    if ("jaxpr" in p and tuple(p["padding"][d]) != (0, 0)
         and not _init_absorbs(op)):
       result.append(b.factor(n, WHOLE))
       for k in arrays:
@@ -87,7 +85,6 @@ def _init_absorbs(op: Op) -> bool:
   return True
 
 
-@register("select_and_scatter_add")
 def select_and_scatter_add(op: Op) -> OpShardingRule:
   """The max-pool gradient: source (one row per window) scatters into operand-shaped rows; a
   windowed dim is one halo factor over source, operand and result."""
@@ -105,8 +102,7 @@ def select_and_scatter_add(op: Op) -> OpShardingRule:
   return b.build([dims, dims], [dims])
 
 
-@register("select_and_gather_add", "select_and_scatter")
-def windowed(op: Op) -> OpShardingRule:
+def whole_windows(op: Op) -> OpShardingRule:
   moved = _windowed_dims(op)
   shape = op.outputs[0].shape
   b = RuleBuilder()

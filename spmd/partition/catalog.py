@@ -1,0 +1,173 @@
+"""Every primitive spmd knows, in one table: its family's rule, linearity and local lowering.
+
+Adding a primitive, or following a JAX release that adds or renames one, is an entry here.
+Names absent from the installed JAX are skipped (``jax_compat.primitives_named``). Primitives
+that run replicated on purpose are listed in ``REPLICATED`` with the reason, which the plan's
+warning repeats; tests/test_coverage.py fails for a primitive of JAX's that is in neither.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from jax.extend.core import Primitive
+
+from spmd.partition import local
+from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
+from spmd.partition.jax_compat import primitives_named
+from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Linearity, PrimitiveInfo)
+from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
+                                  reduce, shape, sort, window)
+
+ELEMENTWISE_UNARY = """sign floor ceil round is_finite exp exp2 log log1p log2 expm1 tanh logistic
+sin cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv
+lgamma digamma bessel_i0e bessel_i1e integer_pow square one_minus_square reduce_precision
+population_count clz stop_gradient zeros_like random_seed random_fold_in random_clone
+random_gamma layout_constraint""".split()
+ELEMENTWISE_NARY = """pow max min nextafter atan2 and or xor eq ne lt le gt ge eq_to le_to lt_to
+rem shift_left shift_right_logical shift_right_arithmetic complex igamma igammac igamma_grad_a
+random_gamma_grad polygamma zeta regularized_incomplete_beta clamp threefry2x32 mulhi
+polynomial""".split()
+# Linear in their operand: a pending partial sum flows through them.
+ELEMENTWISE_LINEAR = "neg copy copy_p real imag conj".split()
+
+# Primitives that run replicated (operands gathered whole), each with the reason.
+COLLECTIVE = ("a collective over named mesh axes: valid only inside shard_map, whose body spmd "
+              "does not partition")
+REPLICATED: dict[str, str] = {
+    **{n: COLLECTIVE for n in """psum pmax pmin ppermute all_gather all_to_all reduce_scatter
+       axis_index pbroadcast pvary psum_invariant all_gather_invariant ragged_all_to_all
+       pbroadcast_dynamic preduced unreduced_psum unreduced_pmax unreduced_pmin
+       unreduced_reduce_scatter all_gather_reduced reduced_vary_cast reduced_vary_cast_p
+       vary_unreduced_cast vary_unreduced_cast_p psend precv""".split()},
+    "shard_map": "a nested manual region: spmd does not partition inside shard_map",
+    "pure_callback": "a host callback sees whole arrays",
+    "io_callback": "a host callback sees whole arrays",
+    "debug_callback": "a host callback sees whole arrays",
+    "debug_print": "a host callback sees whole arrays",
+    "inspect_sharding": "a host callback sees whole arrays",
+    "rng_bit_generator": "its bits depend on the whole output shape, so no device can compute "
+                         "its block alone",
+    "rng_uniform": "its bits depend on the whole output shape",
+    "tile": "repeats whole dims (jnp.tile lowers to broadcast + reshape, which have rules)",
+    "approx_top_k": "no rule yet: the reduced dim must be whole (as top_k)",
+    "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
+    "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
+    "custom_linear_solve": "its solve and matvec bodies run on whole operands",
+    "linear_call": "its callee and transpose bodies run on whole operands",
+    "composite": "a composite's decomposition runs on whole operands",
+}
+
+CONTROL_FLOW = {
+    "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan),
+    "while": ControlFlow(("cond_jaxpr", "body_jaxpr"), control.while_, control.lower_while),
+    "cond": ControlFlow(("branches",), control.cond, control.lower_cond),
+}
+# Calls whose body is inlined (sharding decisions see through them): the param holding it.
+INLINED_CALLS = {
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+    "call": "call_jaxpr", "eval_jaxpr": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
+    "remat2": "jaxpr", "checkpoint": "jaxpr",
+}
+
+LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
+ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
+
+
+def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
+  """(names, record) of every family, by JAX primitive name."""
+  ew = elementwise.elementwise
+  return [
+      # elementwise and identities
+      ((*ELEMENTWISE_UNARY, *ELEMENTWISE_NARY), PrimitiveInfo(ew)),
+      (tuple(ELEMENTWISE_LINEAR), PrimitiveInfo(ew, ADDITIVE_IN_FIRST)),
+      # identities: checkpoint_name, and the reshard JAX inserts under a mesh context
+      (("name", "reshard"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
+      (("add", "sub", "add_any"), PrimitiveInfo(ew, Linearity((0, 1), additive=True))),
+      (("mul",), PrimitiveInfo(ew, Linearity((0, 1)))),
+      (("div",), PrimitiveInfo(ew, Linearity((0,)))),
+      (("select_n",), PrimitiveInfo(ew, Linearity((1, 2), additive=True))),
+      (("convert_element_type",),
+       PrimitiveInfo(ew, Linearity((0,), additive=True, widening_float_only=True))),
+      (("sharding_constraint",),
+       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands, annotation=constraint_request)),
+      (("bitcast_convert_type",), PrimitiveInfo(elementwise.bitcast_convert_type)),
+      (("optimization_barrier",), PrimitiveInfo(elementwise.per_tensor_identity)),
+      (("device_put",), PrimitiveInfo(elementwise.per_tensor_identity, local=local.operands)),
+      # shapes
+      (("broadcast_in_dim",),
+       PrimitiveInfo(shape.broadcast_in_dim, ADDITIVE_IN_FIRST, local.broadcast_in_dim)),
+      (("reshape",), PrimitiveInfo(shape.reshape, ADDITIVE_IN_FIRST, local.reshape)),
+      (("transpose",), PrimitiveInfo(shape.transpose, ADDITIVE_IN_FIRST)),
+      (("squeeze",), PrimitiveInfo(shape.squeeze, ADDITIVE_IN_FIRST)),
+      (("expand_dims",), PrimitiveInfo(shape.expand_dims, ADDITIVE_IN_FIRST)),
+      (("iota",), PrimitiveInfo(shape.iota, local=local.iota)),
+      # reductions and scans along an axis
+      (("reduce_sum",), PrimitiveInfo(reduce.reduction("sum"), ADDITIVE_IN_FIRST)),
+      (("reduce_max", "reduce_or"), PrimitiveInfo(reduce.reduction("max"))),
+      (("reduce_min", "reduce_and"), PrimitiveInfo(reduce.reduction("min"))),
+      (("reduce_prod", "reduce_xor", "argmax", "argmin"), PrimitiveInfo(reduce.reduction(None))),
+      (("reduce",), PrimitiveInfo(reduce.variadic_reduce)),
+      (("cumsum",), PrimitiveInfo(reduce.cumulative, ADDITIVE_IN_FIRST)),
+      (("cumprod", "cummax", "cummin", "cumlogsumexp"), PrimitiveInfo(reduce.cumulative)),
+      (("sort",), PrimitiveInfo(sort.sort)),
+      (("top_k",), PrimitiveInfo(sort.top_k)),
+      # contractions
+      (("dot_general",), PrimitiveInfo(dot.dot_general, Linearity((0, 1)))),
+      (("conv_general_dilated",), PrimitiveInfo(conv.conv_general_dilated, Linearity((0, 1)),
+                                                local.conv)),
+      # indexing, slicing, padding
+      (("slice",), PrimitiveInfo(indexing.slice_, ADDITIVE_IN_FIRST, local.slice_)),
+      (("pad",), PrimitiveInfo(indexing.pad, local=local.pad)),
+      (("rev",), PrimitiveInfo(indexing.rev, ADDITIVE_IN_FIRST, local.rev)),
+      (("concatenate",), PrimitiveInfo(indexing.concatenate, Linearity(None, additive=True),
+                                       local.concatenate)),
+      (("stack",), PrimitiveInfo(indexing.stack)),
+      (("split",), PrimitiveInfo(indexing.split)),
+      (("unstack",), PrimitiveInfo(indexing.unstack)),
+      (("dynamic_slice",),
+       PrimitiveInfo(indexing.dynamic_slice, ADDITIVE_IN_FIRST, local.dynamic_slice)),
+      (("dynamic_update_slice",), PrimitiveInfo(indexing.dynamic_update_slice)),
+      (("gather",), PrimitiveInfo(indexing.gather, ADDITIVE_IN_FIRST, local.gather)),
+      (("scatter", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+        "scatter_max"), PrimitiveInfo(indexing.scatter(additive=False), local=local.scatter)),
+      (("scatter-add", "scatter_add", "scatter-sub", "scatter_sub"),
+       PrimitiveInfo(indexing.scatter(additive=True), local=local.scatter)),
+      # windows
+      (("reduce_window_sum",), PrimitiveInfo(window.reduce_window,
+                                             local=local.reduce_window("sum"))),
+      (("reduce_window_max",), PrimitiveInfo(window.reduce_window,
+                                             local=local.reduce_window("max"))),
+      (("reduce_window_min",), PrimitiveInfo(window.reduce_window,
+                                             local=local.reduce_window("min"))),
+      (("reduce_window",), PrimitiveInfo(window.reduce_window, local=local.reduce_window(None))),
+      (("select_and_scatter_add",),
+       PrimitiveInfo(window.select_and_scatter_add, local=local.select_and_scatter_add)),
+      (("select_and_gather_add", "select_and_scatter"), PrimitiveInfo(window.whole_windows)),
+      # random numbers
+      (("random_bits",), PrimitiveInfo(random.random_bits, local=local.random_bits)),
+      (("random_split",), PrimitiveInfo(random.random_split)),
+      (("random_wrap",), PrimitiveInfo(random.wrap)),
+      (("random_unwrap",), PrimitiveInfo(random.unwrap)),
+      # linear algebra and FFTs: batch dims pass
+      (tuple(LINALG), PrimitiveInfo(linalg.batched(linalg.matrix))),
+      (("lu_pivots_to_permutation", "tridiagonal_solve"),
+       PrimitiveInfo(linalg.batched(linalg.vector))),
+      (("fft",), PrimitiveInfo(linalg.batched(linalg.fft_axes))),
+      # control flow and calls
+      *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
+      *(((name,), PrimitiveInfo(inline=param)) for name, param in INLINED_CALLS.items()),
+      *(((name,), PrimitiveInfo(reason=why)) for name, why in REPLICATED.items()),
+  ]
+
+
+def build_registry() -> Mapping[Primitive, PrimitiveInfo]:
+  table: dict[Primitive, PrimitiveInfo] = {
+      annotate_p: PrimitiveInfo(elementwise.elementwise, ADDITIVE_IN_FIRST, local.operands,
+                                annotation=annotate_request)}
+  for names, info in _entries():
+    for primitive in primitives_named(*names):
+      if primitive in table:
+        raise AssertionError(f"primitive {primitive.name} is registered twice")
+      table[primitive] = info
+  return table

@@ -1,0 +1,79 @@
+"""What differs between the JAX releases spmd supports (0.10.2 to the newest), in one place.
+
+The rest of the package reads jaxprs only through these helpers:
+- jaxprs: 0.10 has ``ClosedJaxpr`` (a jaxpr plus its consts) beside open ``Jaxpr``s; from 0.11 a
+  ``Jaxpr`` carries its own ``consts`` and ``ClosedJaxpr`` is another name for it.
+- scan: 0.10 counts its operands with ``num_consts`` / ``num_carry``; from 0.11 the params hold
+  flat trees ``ft_in`` (consts, carry, xs) and ``ft_out`` (carry, ys).
+- primitives: each release adds some (``one_minus_square``, ``log2``, ``eval_jaxpr`` for
+  ``closed_call``, ...); ``primitives_named`` finds those the installed JAX defines.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+from jax.extend import core as jcore
+
+# JAX's modules that define the primitives of the programs users write (lax and its control
+# flow, linear algebra and collectives, random numbers, differentiation, calls).
+PRIMITIVE_MODULES = ("jax._src.lax", "jax._src.prng", "jax._src.random", "jax._src.ad_util",
+                     "jax._src.ad_checkpoint", "jax._src.custom_derivatives", "jax._src.pjit",
+                     "jax._src.core", "jax._src.interpreters.ad", "jax._src.dispatch",
+                     "jax._src.shard_map", "jax._src.callback", "jax._src.debugging")
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
+  """(open jaxpr, its consts) of a closed or open jaxpr on any release."""
+  return getattr(jaxpr, "jaxpr", jaxpr), list(getattr(jaxpr, "consts", ()))
+
+
+@dataclass(frozen=True)
+class ScanLayout:
+  """How a scan's flat operands split: consts, then carry, then scanned xs."""
+
+  num_consts: int
+  num_carry: int
+
+
+def scan_layout(params: Mapping[str, Any]) -> ScanLayout:
+  if "num_consts" in params:
+    return ScanLayout(params["num_consts"], params["num_carry"])
+  consts, carry, _ = params["ft_in"].unpack()
+  return ScanLayout(len(consts), len(carry))
+
+
+@functools.cache
+def all_primitives() -> Mapping[str, tuple[jcore.Primitive, ...]]:
+  """Every primitive object defined in ``PRIMITIVE_MODULES`` (and their submodules), by name."""
+  found: dict[str, list[jcore.Primitive]] = {}
+
+  def visit(name: str) -> None:
+    try:
+      module = importlib.import_module(name)
+    except ImportError:  # optional parts (e.g. GPU-only modules) may be absent
+      return
+    for value in vars(module).values():
+      if isinstance(value, jcore.Primitive) and value not in found.get(value.name, ()):
+        found.setdefault(value.name, []).append(value)
+    for info in pkgutil.iter_modules(getattr(module, "__path__", ())):
+      visit(f"{name}.{info.name}")
+
+  for name in PRIMITIVE_MODULES:
+    visit(name)
+  return {name: tuple(objects) for name, objects in found.items()}
+
+
+def primitives_named(*names: str) -> tuple[jcore.Primitive, ...]:
+  """The primitives of these names that the installed JAX defines (releases add and rename)."""
+  table = all_primitives()
+  return tuple(p for n in names for p in table.get(n, ()))
+
+
+def set_cpu_device_count(count: int) -> None:
+  """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
+  jax.config.update("jax_num_cpu_devices", count)

@@ -1,0 +1,104 @@
+"""What spmd knows about a primitive: one record per family, keyed by the primitive object.
+
+A record says how the primitive is sharded (its factor rule), where a pending partial sum may flow
+through it (its linearity), how it runs on a device's shards (its local lowering), and, for control
+flow, where its regions are, how they link to the op and how the op runs partitioned. Every record
+is registered in one table, ``catalog.py``; this module only defines the records and looks them up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+
+from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
+
+if TYPE_CHECKING:
+  from spmd.partition.ir import Op
+
+RuleFn = Callable[["Op"], OpShardingRule]
+LocalFn = Callable[[Any, list], list]  # (Local, local operands) -> local results
+
+
+@dataclass(frozen=True)
+class Linearity:
+  """Operands a pending partial sum may flow through, so the psum can wait.
+
+  ``additive``: f(a1 + a2, b1 + b2) = f(a1, b1) + f(a2, b2) over the listed operands jointly (they
+  must all be partial over the same axes); otherwise f is linear in each listed operand on its own
+  (only one may be partial). ``operands=None`` lists every operand. ``widening_float_only``: only
+  when every tensor is a float and the result is no narrower (rounding each partial sum before
+  adding them would round several times where the program rounds once).
+  """
+
+  operands: tuple[int, ...] | None = ()
+  additive: bool = False
+  widening_float_only: bool = False
+
+
+NONLINEAR = Linearity()
+ADDITIVE_IN_FIRST = Linearity((0,), additive=True)
+
+
+@dataclass(frozen=True)
+class ControlFlow:
+  """A primitive with regions (scan, while, cond)."""
+
+  bodies: tuple[str, ...]                    # params holding the region jaxprs, in region order
+  links: Callable[["Op"], list]              # -> rules.control.Link per tied group of tensors
+  lower: Callable[[Any, Any, list], list]    # (interpreter, scheduled op, operands) -> results
+
+
+@dataclass(frozen=True)
+class PrimitiveInfo:
+  """Everything spmd knows about one primitive."""
+
+  rule: RuleFn | None = None          # None: runs replicated (see ``reason``)
+  linear: Linearity = NONLINEAR
+  local: LocalFn | None = None        # None: re-bind on the local operands
+  control: ControlFlow | None = None
+  inline: str | None = None           # a call: the param whose body is inlined into the program
+  annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
+  reason: str = ""                    # why a primitive without a rule runs replicated
+
+
+@functools.cache
+def registry() -> Mapping[Primitive, PrimitiveInfo]:
+  from spmd.partition.catalog import build_registry  # the table imports every family
+  return build_registry()
+
+
+def describe(primitive: Primitive) -> PrimitiveInfo | None:
+  """The record of ``primitive``, or None if spmd has never heard of it."""
+  return registry().get(primitive)
+
+
+def replicated_rule(op: "Op") -> OpShardingRule:
+  """Every dim of every tensor replicated: correct for any primitive, never fast."""
+  b = RuleBuilder()
+  return b.build([None if not hasattr(x, "id") else [None] * len(x.aval.shape)
+                  for x in op.inputs],
+                 [[None] * len(v.aval.shape) for v in op.outputs])
+
+
+def rule_for(op: "Op") -> tuple[OpShardingRule, PrimitiveInfo | None]:
+  """The op's rule (with its linearity) and its record; records without a rule replicate."""
+  info = describe(op.eqn.primitive)
+  if info is None or info.rule is None:
+    return replicated_rule(op), info
+  rule = info.rule(op)
+  linear = info.linear
+  if linear.widening_float_only and not _widening_float(op):
+    linear = NONLINEAR
+  operands = tuple(range(len(op.inputs))) if linear.operands is None else linear.operands
+  return dataclasses.replace(rule, linear_in=operands, additive=linear.additive), info
+
+
+def _widening_float(op: "Op") -> bool:
+  avals = [x.aval for x in (*op.inputs, *op.outputs)]
+  return (bool(op.inputs) and all(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals)
+          and op.outputs[0].aval.dtype.itemsize >= op.inputs[0].aval.dtype.itemsize)
