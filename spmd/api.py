@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from spmd.mesh import mesh_shape
+from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.ir import build_program
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
@@ -129,8 +129,13 @@ class Partitioned:
       out_store.append(out_tree)
       return out_leaves
 
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # bare-spec constraints trace
-      closed = jax.make_jaxpr(flat_fun)(*leaves)
+    # Traced under the mesh (its own axis types: bare-spec constraints and Explicit-mode
+    # ``out_sharding=`` trace) on avals without shardings: a committed argument's sharding is a
+    # spec like any other, not a type JAX would propagate into the ops' params.
+    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                 for a in map(jax.typeof, leaves)]
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+      closed = jax.make_jaxpr(flat_fun)(*unsharded)
     out_tree = out_store[-1]
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
@@ -140,7 +145,7 @@ class Partitioned:
                        out_tree=out_tree)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    fn = lower(analysis, self.mesh, donated)
+    fn = lower(analysis, with_auto_axes(self.mesh), donated)
     return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree)
 
   def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:

@@ -33,5 +33,13 @@ def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = No
   return Mesh(grid, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
+def with_auto_axes(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis Auto (``jax.make_mesh`` makes Explicit axes by default): spmd's
+  program places every array itself, so JAX's sharding-in-types must not check it."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
   return dict(mesh.shape)

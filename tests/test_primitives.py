@@ -804,6 +804,92 @@ def test_random_sharded_keys(mesh, spec):
   check(fn, (keys, randn(8, 16)), (spec, spec), mesh, rtol=0, atol=0)
 
 
+# --- identities, unstack, linear algebra, FFT, generic reduce -------------------------------------
+
+def _moves(plan):
+  return sorted((c.kind, c.axes, c.bytes) for c in plan.collectives)
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P(None, "x")), ("a2b4", P("a", "b")),
+                                       ("a2b2c2", P("c", ("a", "b")))])
+def test_identities_move_nothing(mesh, spec):
+  """checkpoint_name, random_clone, device_put and optimization_barrier are identities: the plan
+  with them is the plan without them."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  def plain(x, w):
+    return jnp.tanh(x @ w) * 2
+
+  def named(x, w):
+    h = checkpoint_name(jnp.tanh(jax.device_put(x) @ w), "h")
+    h, = lax.optimization_barrier((h,))
+    return h * 2
+
+  args, specs = (randn(8, 16), randn(16, 16, seed=1)), (spec, P())
+  want = check(plain, args, specs, mesh)
+  got = check(named, args, specs, mesh)
+  assert _moves(got) == _moves(want)
+  key = check(lambda k, x: jax.random.normal(jax.random.clone(k), (8, 16)) + x,
+              (jax.random.key(3), randn(8, 16)), (P(), spec), mesh)
+  assert not key.collectives
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P(None, "x")), ("x8", P("x")),
+                                       ("a2b4", P("a", "b")), ("a2b4", P(None, ("a", "b")))])
+def test_unstack(mesh, spec):
+  plan = check(lambda x: [u * (k + 1) for k, u in enumerate(jnp.unstack(x, axis=0))],
+               (randn(8, 16),), (spec,), mesh)
+  if spec[0] is None:  # the unstacked dim is whole: every row is local
+    assert not plan.collectives
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P(("a", "b"))),
+                                       ("a2b4", P("a", "b"))])
+def test_batched_linear_algebra(mesh, spec):
+  """Batch dims pass through; a sharded matrix dim is gathered first."""
+  a = randn(8, 4, 4)
+  spd = a @ np.swapaxes(a, -1, -2) + 4 * np.eye(4, dtype=np.float32)
+
+  def fn(m):
+    chol = jnp.linalg.cholesky(m)
+    w, v = jnp.linalg.eigh(m)
+    q, r = jnp.linalg.qr(m)
+    solved = lax.linalg.triangular_solve(chol, m, left_side=True, lower=True)
+    return chol, w, jnp.abs(v), jnp.abs(q), jnp.abs(r), solved, jnp.linalg.svd(m)[1]
+
+  plan = check(fn, (spd,), (spec,), mesh, rtol=1e-4, atol=1e-4)
+  if len(spec) == 1:
+    assert not plan.collectives, plan.explain()
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P("a", "b")),
+                                       ("a2b4", P(None, ("a", "b")))])
+def test_fft_and_log2(mesh, spec):
+  def fn(x):
+    spectrum = jnp.fft.rfft(x, axis=-1)
+    return jnp.abs(spectrum), jnp.log2(jnp.abs(x) + 1), jnp.fft.ifft(jnp.fft.fft(x)).real
+
+  plan = check(fn, (randn(8, 16),), (spec,), mesh, rtol=1e-4, atol=1e-4)
+  if len(spec) == 1:  # the transformed dim is whole
+    assert not plan.collectives, plan.explain()
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P("a", "b")),
+                                       ("a2b2c2", P(("c", "a"), "b"))])
+def test_variadic_reduce(mesh, spec):
+  """A reduce with two operands and its own computation (the value and index of the largest)."""
+  def fn(x):
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+
+    def pick(a, b):
+      take_a = a[0] >= b[0]
+      return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
+
+    return lax.reduce((x, idx), (-jnp.inf, 0), pick, (1,))
+
+  check(fn, (randn(8, 16),), (spec,), mesh)
+
+
 # --- control flow and calls ----------------------------------------------------------------------
 
 CONTROL = [

@@ -25,20 +25,34 @@ population_count clz stop_gradient zeros_like random_seed random_fold_in random_
 random_gamma layout_constraint""".split()
 ELEMENTWISE_NARY = """pow max min nextafter atan2 and or xor eq ne lt le gt ge eq_to le_to lt_to
 rem shift_left shift_right_logical shift_right_arithmetic complex igamma igammac igamma_grad_a
-random_gamma_grad polygamma zeta regularized_incomplete_beta clamp threefry2x32 mulhi
-polynomial""".split()
+random_gamma_grad polygamma zeta regularized_incomplete_beta clamp threefry2x32 threefry4x32
+philox2x32 philox4x32 mulhi polynomial""".split()
 # Linear in their operand: a pending partial sum flows through them.
 ELEMENTWISE_LINEAR = "neg copy copy_p real imag conj".split()
 
 # Primitives that run replicated (operands gathered whole), each with the reason.
 COLLECTIVE = ("a collective over named mesh axes: valid only inside shard_map, whose body spmd "
               "does not partition")
+INTERNAL = "internal to JAX's transformations: never left in a program spmd traces"
+REF = "a mutable array reference: spmd partitions pure programs"
 REPLICATED: dict[str, str] = {
     **{n: COLLECTIVE for n in """psum pmax pmin ppermute all_gather all_to_all reduce_scatter
        axis_index pbroadcast pvary psum_invariant all_gather_invariant ragged_all_to_all
        pbroadcast_dynamic preduced unreduced_psum unreduced_pmax unreduced_pmin
        unreduced_reduce_scatter all_gather_reduced reduced_vary_cast reduced_vary_cast_p
-       vary_unreduced_cast vary_unreduced_cast_p psend precv""".split()},
+       vary_unreduced_cast vary_unreduced_cast_p psend precv all_gather_start all_gather_done
+       all_gather_reduced_start all_to_all_start all_to_all_done pbroadcast_start pbroadcast_done
+       ppermute_start ppermute_done psum_start psum_done psum_invariant_start reduce_scatter_start
+       reduce_scatter_done unreduced_psum_start unreduced_reduce_scatter_start""".split()},
+    **{n: INTERNAL for n in """custom_lin remat_opt call_hi_primitive stage tie dce_sink
+       unreachable empty empty2""".split()},
+    **{n: REF for n in "new_ref empty_ref free_ref freeze accum_grad_in_ref".split()},
+    "create_token": "a token holds no array data",
+    "after_all": "a token holds no array data",
+    "platform_index": "a scalar with no operands, computed whole on every device",
+    "iota_2x32_shape": "no rule yet: its values depend on the global position, as iota's do",
+    "to_edtype": "no rule yet: converts to an extended dtype that drops trailing dims",
+    "from_edtype": "no rule yet: converts from an extended dtype that adds trailing dims",
     "shard_map": "a nested manual region: spmd does not partition inside shard_map",
     "pure_callback": "a host callback sees whole arrays",
     "io_callback": "a host callback sees whole arrays",
@@ -66,7 +80,8 @@ CONTROL_FLOW = {
 INLINED_CALLS = {
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
     "call": "call_jaxpr", "eval_jaxpr": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
+    "custom_jvp_call_jaxpr": "fun_jaxpr", "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
     "remat2": "jaxpr", "checkpoint": "jaxpr",
 }
 
@@ -81,8 +96,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # elementwise and identities
       ((*ELEMENTWISE_UNARY, *ELEMENTWISE_NARY), PrimitiveInfo(ew)),
       (tuple(ELEMENTWISE_LINEAR), PrimitiveInfo(ew, ADDITIVE_IN_FIRST)),
-      # identities: checkpoint_name, and the reshard JAX inserts under a mesh context
-      (("name", "reshard"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
+      # identities: checkpoint_name, the reshard JAX inserts under a mesh context, relayout
+      (("name", "reshard", "relayout"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
       (("add", "sub", "add_any"), PrimitiveInfo(ew, Linearity((0, 1), additive=True))),
       (("mul",), PrimitiveInfo(ew, Linearity((0, 1)))),
       (("div",), PrimitiveInfo(ew, Linearity((0,)))),
