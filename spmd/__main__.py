@@ -6,26 +6,30 @@ import os
 import sys
 from typing import Sequence
 
+from spmd.partition.jax_compat import set_cpu_device_count
+
 DEMO_DEVICES = 8
 
 
-def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for ``count`` CPU devices on the CPU platform, unless the environment chose already.
+def setup_devices(cpu_devices: int | None) -> None:
+  """The machine's accelerators when it has them; else, or when ``cpu_devices`` is given, that
+  many simulated CPU devices (DEMO_DEVICES by default).
 
-  ``python -m spmd`` imports ``spmd`` (and so JAX) before this module runs. XLA_FLAGS still takes
-  effect because XLA reads it when the backend starts (the first device query); JAX_PLATFORMS is
-  read when JAX is imported, so the platform is also passed on through ``jax.config``.
+  Must run before JAX starts a backend. ``python -m spmd`` has imported JAX already, but the
+  backends start at the first device query, after this. A count the environment chose already
+  (XLA_FLAGS or JAX_NUM_CPU_DEVICES) is kept.
   """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
-  jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+  if cpu_devices is not None:
+    jax.config.update("jax_platforms", "cpu")
+  chosen = ("--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+            or "JAX_NUM_CPU_DEVICES" in os.environ)
+  if cpu_devices is not None or not chosen:
+    set_cpu_device_count(cpu_devices or DEMO_DEVICES)  # only the CPU backend reads it
 
 
-def demo() -> int:
-  simulate_cpu_devices(DEMO_DEVICES)
+def demo(args: argparse.Namespace) -> int:
+  setup_devices(args.cpu_devices)
   from spmd.demo import run_demo  # only after the device setup
   return run_demo()
 
@@ -33,10 +37,15 @@ def demo() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="spmd", description="GSPMD-style partitioning for JAX.")
   commands = parser.add_subparsers(dest="command", required=True)
-  commands.add_parser(
-      "demo", help=f"partition an MLP training step over {DEMO_DEVICES} simulated CPU devices, "
-      "print its plan and check it against the unpartitioned step").set_defaults(run=demo)
-  return parser.parse_args(argv).run()
+  demo_parser = commands.add_parser(
+      "demo", help="partition an MLP training step over the machine's accelerators (or "
+      f"{DEMO_DEVICES} simulated CPU devices where it has none), print its plan and check it "
+      "against the unpartitioned step")
+  demo_parser.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                           help="simulate N CPU devices even where accelerators exist")
+  demo_parser.set_defaults(run=demo)
+  args = parser.parse_args(argv)
+  return args.run(args)
 
 
 if __name__ == "__main__":

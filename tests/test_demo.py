@@ -27,4 +27,13 @@ def test_python_m_spmd_demo() -> None:
   proc = subprocess.run([sys.executable, "-m", "spmd", "demo"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-  assert f"OK: {STEPS} partitioned training steps on 8 devices" in proc.stdout
+  assert f"OK: {STEPS} partitioned training steps on 8 cpu devices" in proc.stdout
+
+
+def test_python_m_spmd_demo_cpu_devices_flag() -> None:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run([sys.executable, "-m", "spmd", "demo", "--cpu-devices", "4"], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "spmd plan for train_step on mesh (data=1, model=4)" in proc.stdout
+  assert f"OK: {STEPS} partitioned training steps on 4 cpu devices" in proc.stdout
