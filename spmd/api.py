@@ -111,14 +111,18 @@ class Partitioned:
     for name, leaf in zip(leaf_names, leaves):
       _check_leaf(name, leaf)
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
-    given = self._input_specs(dyn, leaves, leaf_names, avals)
-    key = (in_tree, avals, statics, given)
+    given = self._input_specs(dyn, leaf_names, avals)
+    arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
+                                    f"the sharding of argument {name}")
+                     for leaf, aval, name in zip(leaves, avals, leaf_names))
+    key = (in_tree, avals, statics, given, arrivals)
     if key not in self._cache:
-      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, leaf_names, given)
+      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, leaf_names, given,
+                                     arrivals)
     return self._cache[key], leaves
 
   def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, leaves: list,
-             leaf_names: list[str], given: tuple) -> _Compiled:
+             leaf_names: list[str], given: tuple, arrivals: tuple) -> _Compiled:
     out_store: list[Any] = []
 
     def flat_fun(*flat: Any) -> list:
@@ -139,7 +143,7 @@ class Partitioned:
     out_tree = out_store[-1]
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
-    boundary = Boundary(given, tuple(leaf_names), outputs)
+    boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     analysis = analyze(program, boundary, self._mesh_shape, backend=self.backend,
                        name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
                        out_tree=out_tree)
@@ -176,7 +180,14 @@ class Partitioned:
       return fn(*leaves)
 
     def fwd(*leaves: Any) -> tuple:
-      return fn(*leaves), leaves
+      # Under an eager jax.grad the primals are concrete: one committed with another sharding
+      # than the program's input is placed first (a traced call cannot see its sharding).
+      placed = [jax.device_put(x, NamedSharding(self.mesh, spec))
+                if _committed_spec(x, self.mesh) not in (None, spec)
+                and s.divides(v.shape, self._mesh_shape) else x
+                for x, spec, s, v in zip(leaves, in_specs, analysis.schedule.inputs,
+                                         program.inputs)]
+      return fn(*placed), leaves
 
     def bwd(leaves: tuple, cts: tuple) -> tuple:
       if not backward:
@@ -199,10 +210,12 @@ class Partitioned:
 
   # --- specs -----------------------------------------------------------------------------------
 
-  def _input_specs(self, dyn: tuple, leaves: list, names: list[str],
+  def _input_specs(self, dyn: tuple, names: list[str],
                    avals: tuple) -> tuple[TensorSharding | None, ...]:
+    """The given specs; ``in_specs=None`` leaves every argument open (a committed argument's own
+    sharding then seeds it, as for an open leaf)."""
     if self.in_specs is None:
-      specs = [_mesh_spec(leaf, self.mesh) for leaf in leaves]
+      specs = [None] * len(avals)
     else:
       specs = _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments")
     return tuple(self._sharding(spec, aval.shape, f"in_specs for argument {name}")
@@ -283,10 +296,12 @@ def _inexact(aval: Any) -> bool:
   return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
-def _mesh_spec(leaf: Any, mesh: Mesh) -> P | None:
-  sharding = getattr(leaf, "sharding", None)
-  if (isinstance(leaf, jax.Array) and isinstance(sharding, NamedSharding)
-      and isinstance(sharding.mesh, Mesh) and sharding.mesh.axis_names == mesh.axis_names
+def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
+  """The spec of a JAX array committed to ``mesh``'s devices; None for anything else."""
+  if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+    return None
+  sharding = leaf.sharding
+  if (leaf.committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and sharding.mesh.axis_names == mesh.axis_names
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None

@@ -325,3 +325,53 @@ def test_committed_arguments_on_an_explicit_mesh(explicit_mesh):
   assert ([(c.kind, c.bytes) for c in g.plan(x, w).collectives]
           == [(c.kind, c.bytes) for c in given.plan(X, W).collectives])
   np.testing.assert_allclose(g(x, w), f(X, W), rtol=1e-5, atol=1e-5)
+
+
+# --- arguments already on the mesh --------------------------------------------------------------
+
+def test_open_leaf_of_a_committed_argument_takes_its_sharding(mesh):
+  """Like jax.jit: a committed argument whose in_specs leaf is None keeps its sharding, even
+  where propagation alone would choose another."""
+  x = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
+  g = spmd.partition(f, mesh=mesh, in_specs=(None, P(None, "model")))
+  plan = g.plan(x, W)
+  assert plan.in_specs[0] == P(None, "model")
+  np.testing.assert_allclose(g(x, W), f(X, W), rtol=1e-5, atol=1e-5)
+
+
+def test_spec_that_differs_from_the_committed_sharding_is_resharded_inside(mesh):
+  x = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
+  g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
+  plan = g.plan(x, W)
+  (row,) = [r for r in plan.rows if r.primitive == "input[0]"]
+  assert row.specs == ("P('data', None)",) and "committed" in row.origins[0]
+  assert [c.kind for c in row.collectives] == ["all-gather"]
+  assert any("arrives committed as P(None, 'model')" in w for w in plan.warnings)
+  np.testing.assert_allclose(g(x, W), f(X, W), rtol=1e-5, atol=1e-5)
+  # the same call with a host array places it as asked: no reshard
+  assert not [r for r in g.plan(np.asarray(X), W).rows if r.primitive == "input[0]"]
+  grad = jax.grad(lambda x: g(x, W).sum())(x)  # an eager grad sees concrete committed primals
+  np.testing.assert_allclose(grad, jax.grad(lambda x: f(x, W).sum())(X), rtol=1e-5, atol=1e-5)
+
+
+def test_uneven_param_fed_back_over_training_steps():
+  """A 255-row table on 4 devices comes back replicated (JAX arrays cannot hold uneven shards);
+  feeding it back takes this device's rows by a local slice, no communication."""
+  mesh = spmd.make_mesh({"x": 4})
+  table = np.asarray(np.random.default_rng(0).standard_normal((255, 16)), np.float32)
+  ids = np.arange(0, 255, 9, dtype=np.int32)
+
+  def step(table, ids):
+    loss, grad = jax.value_and_grad(lambda t: jnp.sum(jnp.tanh(t[ids]) ** 2))(table)
+    return table - 0.1 * grad, loss
+
+  g = spmd.partition(step, mesh=mesh, in_specs=(P("x", None), P()), out_specs=(P("x", None), P()))
+  got = want = table
+  for k in range(3):
+    got, loss = g(got, ids)
+    want, want_loss = step(want, ids)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    if k == 0:
+      rows = [r for r in g.plan(got, ids).rows if r.primitive == "input[0]"]
+      assert rows and not rows[0].collectives, "a local slice of a replicated array is free"
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

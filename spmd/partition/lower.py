@@ -78,6 +78,7 @@ class _Interpreter:
     env: Env = {(v, s): a for v, s, a in zip(program.inputs, sched.inputs, args)}
     for c in program.consts:
       env[(c, TensorSharding.replicated(len(c.shape)))] = c.const
+    self.transfers(sched.entry, env)
     self.ops(sched.ops, env)
     self.transfers(sched.exit, env)
     return tuple(self.read(env, x, s) for x, s in zip(program.outputs, sched.outputs))

@@ -21,11 +21,14 @@ from spmd.plan import Collective, Plan, PlanRow
 
 @dataclass(frozen=True)
 class Boundary:
-  """Specs at the program boundary: one entry per flat input / output (None = open)."""
+  """Specs at the program boundary: one entry per flat input / output (None = open), and the
+  sharding each input arrives in when it is a JAX array committed to the mesh (None: placed by
+  the program as it wants)."""
 
   inputs: tuple[TensorSharding | None, ...]
   input_names: tuple[str, ...]
   outputs: tuple[TensorSharding | None, ...]
+  arrivals: tuple[TensorSharding | None, ...]
 
 
 @dataclass
@@ -42,8 +45,10 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: s
   uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
   seeds = _seeds(program, boundary, mesh)
   prop = propagate(program, seeds, mesh)
-  inputs = tuple(spec or _even(prop.shardings[v], v.shape, mesh)
-                 for v, spec in zip(program.inputs, boundary.inputs))
+  inputs = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
+                 for v, spec, arrival in zip(program.inputs, boundary.inputs, boundary.arrivals))
+  entries = tuple(spec if spec is not None and arrival is not None and spec != arrival else None
+                  for spec, arrival in zip(boundary.inputs, boundary.arrivals))
   outputs, warnings = [], []
   for k, (atom, spec) in enumerate(zip(program.outputs, boundary.outputs)):
     shape = atom.aval.shape
@@ -54,7 +59,8 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: s
     if spec is not None and outputs[-1] != spec:
       warnings.append(f"out_specs[{k}] {spec} does not split {atom.aval.str_short()} evenly: JAX "
                       f"arrays cannot hold uneven shards, so it is returned as {outputs[-1]}")
-  sched = schedule(program, prop.constraints, prop.shardings, inputs, tuple(outputs), mesh)
+  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, tuple(outputs),
+                   mesh)
   plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree, warnings)
   return Analysis(program, prop, sched, plan)
 
@@ -70,9 +76,12 @@ def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorS
 
 def _seeds(program: Program, boundary: Boundary, mesh: MeshShape) -> dict[Value, Seed]:
   seeds: dict[Value, Seed] = {}
-  for k, (v, s) in enumerate(zip(program.inputs, boundary.inputs)):
+  for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
       seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", _input_text(k, boundary)))
+    elif arrival is not None:  # an open leaf of a committed argument: its sharding, as jax.jit
+      seeds[v] = Seed(arrival, frozenset(range(arrival.rank)),
+                      Origin("input", f"{_input_text(k, boundary)}, as committed"))
   for op in program.all_ops():
     spec = annotation_spec(op)
     if spec is None:
@@ -106,11 +115,19 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
       warnings.extend(_whole_dim_warnings(s, prop.shardings))
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
           for op, depth in depth_first(program.ops)]
-  for k, atom in enumerate(program.outputs):
-    cols = tuple(_collective(step, None, t) for t in sched.exit if t.tensor == f"output {k}"
-                 for step in t.steps if step.communicates)
+  for t in sched.entry:
+    k = t.slot.index
+    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
+    rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
+                        (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
+    warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
+                    f"in_specs asks for {t.dst}: resharded inside the program "
+                    f"({sum(c.bytes for c in cols)} bytes per device)")
+  for t in sched.exit:
+    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
     if cols:
-      rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(atom),),
+      k = t.slot.index
+      rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
                           (str(sched.outputs[k]),), (f"out_specs[{k}]",), cols))
   collectives = [c for r in rows for c in r.collectives]
   for op in prop.unsupported:
@@ -133,9 +150,11 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
 
 
 def _collective(step: ReshardStep, op: Op | None, t: Transfer) -> Collective:
+  """``op`` None: a transfer at the program's entry (an input) or exit (an output)."""
+  boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
   return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
-                    "output" if op is None else op.primitive,
-                    "out_specs" if op is None else op.source, t.tensor, _shape(t.value),
+                    t.slot.kind if op is None else op.primitive,
+                    boundary if op is None else op.source, str(t.slot), _shape(t.value),
                     str(step.before), str(step.after))
 
 
@@ -151,7 +170,7 @@ def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
   rule, op = s.execution.constraint.rule, s.op
   out = []
   for t in s.transfers:
-    k = int(t.tensor.split()[-1])
+    k = t.slot.index
     tf = rule.operands[k]
     for step in t.steps:
       if step.kind != "all-gather" or tf is None or step.dim is None:

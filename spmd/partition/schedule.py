@@ -23,6 +23,21 @@ from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
 
 @dataclass(frozen=True)
+class Slot:
+  """Which tensor a transfer makes available: an op's operand, a region's output, or a program
+  input (at entry) or output (at exit)."""
+
+  kind: str                 # "operand", "region output", "input" or "output"
+  index: int
+  region: int | None = None
+
+  def __str__(self) -> str:
+    if self.kind == "region output":
+      return f"region {self.region} output {self.index}"
+    return f"{self.kind} {self.index}"
+
+
+@dataclass(frozen=True)
 class Transfer:
   """Makes ``value`` available as ``dst`` from its existing form ``src``."""
 
@@ -30,7 +45,7 @@ class Transfer:
   src: TensorSharding
   dst: TensorSharding
   steps: tuple[ReshardStep, ...]
-  tensor: str  # what moves, for the plan: "operand 1", "carry 0", "output 2"
+  slot: Slot
 
 
 @dataclass(eq=False)
@@ -54,7 +69,8 @@ class ScheduledOp:
 
 @dataclass(eq=False)
 class Schedule:
-  inputs: tuple[TensorSharding, ...]
+  inputs: tuple[TensorSharding, ...]             # forms the program's inputs arrive in
+  entry: list[Transfer]                          # run first: inputs resharded as in_specs ask
   ops: list[ScheduledOp]
   exit: list[Transfer]
   outputs: tuple[TensorSharding, ...]
@@ -93,11 +109,11 @@ class _Scheduler:
       return 0
     return sum(s.bytes for s in self._best(v, dst)[1])
 
-  def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], tensor: str) -> None:
+  def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot) -> None:
     if dst in self.forms[v]:
       return
     src, steps = self._best(v, dst)
-    out.append(Transfer(v, src, dst, steps, tensor))
+    out.append(Transfer(v, src, dst, steps, slot))
     for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
       if form not in self.forms[v]:
         self.forms[v].append(form)
@@ -126,7 +142,7 @@ class _Scheduler:
     transfers: list[Transfer] = []
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
       if isinstance(x, Value) and need is not None:
-        self.acquire(x, need, transfers, f"operand {k}")
+        self.acquire(x, need, transfers, Slot("operand", k))
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
     new_hops = []
@@ -187,7 +203,7 @@ class _Scheduler:
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
       if isinstance(x, Value):
         reads[k] = need or self.shardings[x]
-        self.acquire(x, reads[k], transfers, f"operand {k}")
+        self.acquire(x, reads[k], transfers, Slot("operand", k))
     regions = []
     for r, region in enumerate(op.regions):
       arrive = tuple(s or self.shardings[v] for s, v in zip(inputs[r], region.inputs))
@@ -197,7 +213,7 @@ class _Scheduler:
       for j, (x, need) in enumerate(zip(region.outputs, exits[r])):
         need = need or TensorSharding.replicated(len(x.aval.shape))
         if isinstance(x, Value):
-          self.acquire(x, need, exit_transfers, f"region {r} output {j}")
+          self.acquire(x, need, exit_transfers, Slot("region output", j, r))
         leave.append(need)
       regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave)))
     final = tuple(w or self.shardings[v] for w, v in zip(writes, op.outputs))
@@ -250,14 +266,23 @@ def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
 
 def schedule(program: Program, constraints: list[Constraint],
              shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
-             outputs: tuple[TensorSharding, ...], mesh: MeshShape) -> Schedule:
+             entries: tuple[TensorSharding | None, ...], outputs: tuple[TensorSharding, ...],
+             mesh: MeshShape) -> Schedule:
+  """``inputs``: the form each input arrives in; ``entries``: the form it is resharded to first
+  (None: kept as it arrives); ``outputs``: the forms handed back."""
   s = _Scheduler(program, constraints, shardings, mesh)
   for v in program.consts:
     s.forms[v] = [TensorSharding.replicated(len(v.shape))]
-  ops = s.region(Region(program.inputs, program.ops, program.outputs), inputs)
+  for v, arrives in zip(program.inputs, inputs):
+    s.forms[v] = [arrives]
+  entry: list[Transfer] = []
+  for k, (v, want) in enumerate(zip(program.inputs, entries)):
+    if want is not None:
+      s.acquire(v, want, entry, Slot("input", k))
+  ops = [s.op(op) for op in program.ops]
   exit_transfers: list[Transfer] = []
   for k, (x, want) in enumerate(zip(program.outputs, outputs)):
     if isinstance(x, Value):
-      s.acquire(x, want, exit_transfers, f"output {k}")
-  return Schedule(inputs, ops, exit_transfers, outputs)
+      s.acquire(x, want, exit_transfers, Slot("output", k))
+  return Schedule(inputs, entry, ops, exit_transfers, outputs)
 
