@@ -544,3 +544,21 @@ def test_grad_with_uneven_sharded_inputs(mesh, specs):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
   # the gradient program itself, partitioned
   check(jax.grad(_loss, argnums=(0, 1, 2)), args, specs, mesh, tol=1e-4)
+
+
+@pytest.mark.parametrize("out_specs", [None, P(None, "x")], ids=["open", "given"])
+def test_uneven_output_is_returned_gathered_with_a_warning(out_specs):
+  """A 30-row conv on 4 shards: JAX arrays cannot hold uneven shards, so the output comes back
+  gathered along that dim, and the plan says so, with its bytes and the cheaper choices."""
+  def conv(x, k):
+    return jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  x, k = data((2, 30, 16, 4)), data((3, 3, 4, 8), seed=1)
+  plan = check(conv, (x, k), (P(None, "x"), P()), "x4", out_specs, tol=1e-4)
+  (warning,) = [w for w in plan.warnings if "cannot hold uneven shards" in w]
+  gathered = sum(c.bytes for c in plan.collectives if c.primitive == "output")
+  assert gathered > 0 and f"({gathered} bytes per device gathered)" in warning
+  assert "out_specs P(None, None, 'x', None) (dim 2 splits evenly)" in warning
+  assert "padding dim 1 from 30 to 32" in warning
+  assert plan.out_specs == P(None, None, None, None)

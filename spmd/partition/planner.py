@@ -49,20 +49,40 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: s
                  for v, spec, arrival in zip(program.inputs, boundary.inputs, boundary.arrivals))
   entries = tuple(spec if spec is not None and arrival is not None and spec != arrival else None
                   for spec, arrival in zip(boundary.inputs, boundary.arrivals))
-  outputs, warnings = [], []
-  for k, (atom, spec) in enumerate(zip(program.outputs, boundary.outputs)):
-    shape = atom.aval.shape
-    held = prop.shardings[atom] if isinstance(atom, Value) else TensorSharding.replicated(
-        len(shape))
-    want = spec if spec is not None else held
-    outputs.append(_even(want, shape, mesh))
-    if spec is not None and outputs[-1] != spec:
-      warnings.append(f"out_specs[{k}] {spec} does not split {atom.aval.str_short()} evenly: JAX "
-                      f"arrays cannot hold uneven shards, so it is returned as {outputs[-1]}")
-  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, tuple(outputs),
-                   mesh)
+  wanted = [spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
+            else TensorSharding.replicated(len(atom.aval.shape))
+            for atom, spec in zip(program.outputs, boundary.outputs)]
+  outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
+  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh)
+  exits = {t.slot.index: t for t in sched.exit}
+  warnings = [_uneven_output_warning(k, atom, wanted[k], outputs[k], exits.get(k), boundary, mesh)
+              for k, atom in enumerate(program.outputs) if outputs[k] != wanted[k]]
   plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree, warnings)
   return Analysis(program, prop, sched, plan)
+
+
+def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: TensorSharding,
+                           t: Transfer | None, boundary: Boundary, mesh: MeshShape) -> str:
+  """An output sharded unevenly (by out_specs, or by propagation where out_specs leave it open)
+  comes back gathered along that dim; says what it costs and what the user could do instead."""
+  shape = atom.aval.shape
+  given = boundary.outputs[k] is not None
+  what = f"out_specs[{k}] {wanted}" if given else f"output {k}, sharded {wanted} inside the program,"
+  cost = 0 if t is None else sum(step.bytes for step in t.steps if step.communicates)
+  hints = []
+  for d, axes in enumerate(wanted.dims):
+    if not axes or shape[d] % wanted.shards(d, mesh) == 0:
+      continue
+    count = wanted.shards(d, mesh)
+    moved = [e for e, n in enumerate(shape) if e != d and not returned.dims[e] and n % count == 0]
+    if moved:
+      spec = list(returned.dims)
+      spec[moved[0]] = axes
+      hints.append(f"out_specs {returned.with_dims(spec)} (dim {moved[0]} splits evenly)")
+    hints.append(f"padding dim {d} from {shape[d]} to {-(-shape[d] // count) * count}")
+  return (f"{what} does not split {atom.aval.str_short()} evenly: JAX arrays cannot hold "
+          f"uneven shards, so it is returned as {returned} ({cost} bytes per device gathered); "
+          f"cheaper: {' or '.join(hints)}")
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
