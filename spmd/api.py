@@ -71,13 +71,20 @@ class Partitioned:
     self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
     self._mesh_shape = mesh_shape(mesh)
     self._cache: dict[Any, _Compiled] = {}
+    self._dispatch: dict[Any, _Compiled] = {}
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    compiled, leaves = self._compile(args, kwargs)
-    # Only traced arguments can be differentiated: concrete calls skip the custom_vjp wrapper.
-    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
-    return tree_unflatten(compiled.out_tree, (compiled.call if traced else compiled.fn)(*leaves))
+    key, leaves = (None, None) if kwargs else _dispatch_key(args, self.static_argnums)
+    compiled = self._dispatch.get(key) if key is not None else None
+    if compiled is None:
+      compiled, leaves = self._compile(args, kwargs)
+      # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
+      if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
+      if key is not None:
+        self._dispatch[key] = compiled
+    return tree_unflatten(compiled.out_tree, compiled.fn(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -305,6 +312,35 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None
+
+
+def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, list | None]:
+  """(key, leaves of the non-static arguments) for the steady-state path: calls with equal
+  argument structure, avals, committed shardings and static values share the key. The key is
+  None where a call must take the full path (traced, unhashable or unusual leaves)."""
+  if any(not -len(args) <= i < len(args) for i in static_argnums):
+    return None, None
+  static = {i % len(args) for i in static_argnums}
+  leaves, tree = tree_flatten(tuple(a for i, a in enumerate(args) if i not in static))
+  parts: list[Any] = [tree, tuple(args[i] for i in sorted(static))]
+  for leaf in leaves:
+    if isinstance(leaf, jax.core.Tracer):
+      return None, None
+    if isinstance(leaf, jax.Array):
+      parts.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False),
+                    leaf.sharding if leaf.committed else None))
+    elif isinstance(leaf, (np.ndarray, np.generic)):
+      parts.append((np.ndarray, leaf.shape, leaf.dtype))
+    elif type(leaf) in (bool, int, float, complex):
+      parts.append(type(leaf))  # weakly typed scalars: the aval is the type's
+    else:
+      return None, None
+  key = tuple(parts)
+  try:
+    hash(key)
+  except TypeError:
+    return None, None
+  return key, leaves
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
