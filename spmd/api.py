@@ -151,7 +151,8 @@ class Partitioned:
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
-    analysis = analyze(program, boundary, self._mesh_shape, backend=self.backend,
+    analysis = analyze(program, boundary, self._mesh_shape,
+                       platform=self.mesh.devices.flat[0].platform, backend=self.backend,
                        name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
                        out_tree=out_tree)
     donated = self._donated_leaves(args, dyn_idx, in_tree)

@@ -13,8 +13,10 @@ class Collective:
   """One collective of the emitted program.
 
   ``bytes`` is per device, the larger of its input and output buffers (V in the usual cost
-  formulas); ``op`` is the op index it belongs to (None at the program boundary); ``tensor`` says
-  which tensor moves (``"operand 1"``, ``"result 0"``, ``"output 2"``).
+  formulas), priced for the backend compiled for; ``op`` is the op index it belongs to (None at
+  the program boundary); ``tensor`` says which tensor moves (``"operand 1"``, ``"output 2"``);
+  ``trips`` is how often it runs per call (the lengths of the scans around it; None inside a
+  while loop, whose trip count is a runtime value).
   """
 
   kind: str
@@ -27,9 +29,16 @@ class Collective:
   shape: str
   before: str
   after: str
+  trips: int | None = 1
+
+  @property
+  def step_bytes(self) -> int:
+    """Bytes per call: ``bytes`` times ``trips`` (one iteration where the count is unknown)."""
+    return self.bytes * (self.trips or 1)
 
   def describe(self) -> str:
-    return f"{self.kind}({','.join(self.axes)}) {_fmt_bytes(self.bytes)}"
+    times = "" if self.trips == 1 else " x ?" if self.trips is None else f" x {self.trips}"
+    return f"{self.kind}({','.join(self.axes)}) {_fmt_bytes(self.bytes)}{times}"
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,15 @@ class Plan:
 
   @property
   def total_bytes(self) -> int:
+    """Bytes per device of the program's collectives, each counted once (as the compiled HLO
+    lists them)."""
     return sum(c.bytes for c in self.collectives)
+
+  @property
+  def step_bytes(self) -> int:
+    """Bytes per device that one call moves: collectives inside scans count once per iteration
+    (inside a while loop, once: see ``warnings``)."""
+    return sum(c.step_bytes for c in self.collectives)
 
   def explain(self) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
@@ -95,7 +112,10 @@ class Plan:
     totals = self.bytes_by_kind()
     summary = ", ".join(f"{kind} x{counts[kind]} = {_fmt_bytes(totals[kind])}"
                         for kind in sorted(totals)) or "none"
-    lines.append(f"collectives per device: {summary}; total {_fmt_bytes(self.total_bytes)}")
+    total = f"total {_fmt_bytes(self.total_bytes)}"
+    if self.step_bytes != self.total_bytes:
+      total += f" in the program, {_fmt_bytes(self.step_bytes)} per call (loop trips counted)"
+    lines.append(f"collectives per device: {summary}; {total}")
     lines.extend(f"warning: {w}" for w in self.warnings)
     return "\n".join(lines)
 

@@ -150,3 +150,35 @@ def test_control_flow_plans_match_hlo_and_xla(mesh, fn, specs, expected):
   xla = jax.jit(fn, in_shardings=named(specs), out_shardings=named(plan.out_specs))
   assert plan.total_bytes <= collective_bytes(xla.lower(x, w).compile().as_text())
   _close(f(x, w), fn(x, w))
+
+
+def test_per_call_bytes_count_loop_trips():
+  """A collective inside a scan of 10 layers runs 10 times per call; nested scans multiply; a
+  while loop's trip count is unknown, and the plan says so."""
+  mesh = spmd.make_mesh({"data": 2, "model": 4})
+
+  def layers(x, ws):
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+
+    def block(h, w_pair):
+      return jax.lax.scan(layer, h, w_pair)[0], None
+
+    h, _ = jax.lax.scan(layer, x, ws)                        # 10 trips
+    h, _ = jax.lax.scan(block, h, ws.reshape(5, 2, 16, 16))   # 5 x 2 trips
+    return jax.lax.while_loop(lambda c: c[1] < 3,
+                              lambda c: (jnp.tanh(c[0] @ ws[0]), c[1] + 1), (h, 0))[0]
+
+  x, ws = jnp.ones((8, 16)), jnp.ones((10, 16, 16)) / 16
+  g = spmd.partition(layers, mesh=mesh, in_specs=(P("data", None), P(None, "model", None)))
+  plan = g.plan(x, ws)
+  trips = sorted((c.trips or 0) for c in plan.collectives)
+  assert trips == [0, 10, 10], plan.explain()  # 0: the while loop's (unknown)
+  per_layer = plan.collectives[0].bytes
+  assert all(c.bytes == per_layer for c in plan.collectives)
+  assert plan.total_bytes == 3 * per_layer  # as the compiled program lists them
+  assert plan.total_bytes == collective_bytes(g.lower(x, ws).compile().as_text())
+  assert plan.step_bytes == (10 + 10 + 1) * per_layer
+  assert any("while loop whose trip count is unknown" in w for w in plan.warnings)
+  assert "per call (loop trips counted)" in plan.explain()
+  np.testing.assert_allclose(g(x, ws), layers(x, ws), rtol=1e-5, atol=1e-6)

@@ -20,6 +20,7 @@ from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.wire import Wire
 
 Price = Callable[[Value, TensorSharding], int]  # bytes to make a value available as a sharding
 
@@ -39,7 +40,7 @@ class Execution:
     return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                  for a in self.factor_axes[f])
 
-  def halo_exchanges(self, mesh: MeshShape) -> list[tuple[Halo, tuple, Hop, int]]:
+  def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Halo, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
     bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
     out = []
@@ -48,7 +49,7 @@ class Execution:
       x = self.constraint.operands[h.operand]
       shape, chain = widened.setdefault(
           h.operand, (list(self.needs[h.operand].local_shape(x.shape, mesh)), ()))
-      row = math.prod(n for d, n in enumerate(shape) if d != h.dim) * x.dtype.itemsize
+      row = math.prod(n for d, n in enumerate(shape) if d != h.dim) * wire(x.dtype)
       out.extend((h, chain, hop, hop[-1] * row) for hop in hops(h))
       shape[h.dim] = h.length
       widened[h.operand] = (shape, chain + (geometry(h),))
@@ -56,7 +57,7 @@ class Execution:
 
 
 def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
-                   price: Price) -> Execution:
+                   price: Price, wire: Wire) -> Execution:
   options = [_execute(c, axes, mesh) for axes in dict.fromkeys(
       _factor_axes(c, shardings, mesh, reductions_first) for reductions_first in (True, False))]
   if len(options) == 1:
@@ -67,7 +68,7 @@ def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mes
     for v, made in zip(c.results, ex.produces):
       if made is not None and made != shardings[v]:
         moved += sum(s.bytes for s in plan_reshard(made, shardings[v], v.shape,
-                                                    v.dtype.itemsize, mesh))
+                                                    wire(v.dtype), mesh))
     return moved
 
   return min(options, key=cost)

@@ -14,6 +14,7 @@ from spmd.partition.reshard import ReshardStep
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer, schedule
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.sharding import MeshShape, TensorSharding
+from spmd.partition.wire import wire_for
 from jax.tree_util import tree_unflatten
 
 from spmd.plan import Collective, Plan, PlanRow
@@ -39,8 +40,8 @@ class Analysis:
   plan: Plan
 
 
-def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: str, name: str,
-            in_tree: Any, out_tree: Any) -> Analysis:
+def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, platform: str,
+            backend: str, name: str, in_tree: Any, out_tree: Any) -> Analysis:
   """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
   uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
   seeds = _seeds(program, boundary, mesh)
@@ -53,7 +54,8 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, backend: s
             else TensorSharding.replicated(len(atom.aval.shape))
             for atom, spec in zip(program.outputs, boundary.outputs)]
   outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
-  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh)
+  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh,
+                   wire_for(platform))
   exits = {t.slot.index: t for t in sched.exit}
   warnings = [_uneven_output_warning(k, atom, wanted[k], outputs[k], exits.get(k), boundary, mesh)
               for k, atom in enumerate(program.outputs) if outputs[k] != wanted[k]]
@@ -125,26 +127,33 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
           mesh: MeshShape, backend: str, name: str, in_tree: Any, out_tree: Any,
           warnings: list[str]) -> Plan:
   producers = _producers(program, boundary)
+  trips = _trips(program)
   by_op: dict[int, list[Collective]] = {}
   for s in sched.walk():
-    transfers = s.transfers + [t for r in s.regions for t in r.exit]
-    by_op[s.op.index] = [_collective(step, s.op, t) for t in transfers for step in t.steps
-                         if step.communicates]
-    by_op[s.op.index] += [_halo_collective(h, b, s) for h, b in s.halo_hops]
+    outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
+    by_op[s.op.index] = [_collective(step, s.op, t, outer) for t in s.transfers
+                         for step in t.steps if step.communicates]
+    by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
+                          for step in t.steps if step.communicates]
+    by_op[s.op.index] += [_halo_collective(h, b, s, outer) for h, b in s.halo_hops]
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, prop.shardings))
+  for op in program.all_ops():
+    if op.index in by_op and any(c.trips is None for c in by_op[op.index]):
+      warnings.append(f"op {op.index} ({op.primitive} at {op.source}) communicates inside a while "
+                      "loop whose trip count is unknown: per-step bytes count one iteration")
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
           for op, depth in depth_first(program.ops)]
   for t in sched.entry:
     k = t.slot.index
-    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
+    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
                         (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
     warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
                     f"in_specs asks for {t.dst}: resharded inside the program "
                     f"({sum(c.bytes for c in cols)} bytes per device)")
   for t in sched.exit:
-    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
+    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
     if cols:
       k = t.slot.index
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
@@ -169,20 +178,42 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
               tuple(dict.fromkeys(warnings)), in_specs, out_specs, name)
 
 
-def _collective(step: ReshardStep, op: Op | None, t: Transfer) -> Collective:
+def _trips(program: Program) -> dict[int, int | None]:
+  """How often each op runs per call: the product of the lengths of the scans around it; None
+  inside a while loop (its trip count is a runtime value)."""
+  out: dict[int, int | None] = {}
+
+  def visit(ops: list[Op], trips: int | None) -> None:
+    for op in ops:
+      out[op.index] = trips
+      for region in op.regions:
+        visit(region.ops, _inner_trips(op, trips))
+
+  visit(program.ops, 1)
+  return out
+
+
+def _inner_trips(op: Op, trips: int | None) -> int | None:
+  """How often the regions of ``op`` run per call (a cond's branch: at most once each time)."""
+  if not op.regions or trips is None or op.primitive == "cond":
+    return trips
+  return trips * op.params["length"] if "length" in op.params else None
+
+
+def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:
   """``op`` None: a transfer at the program's entry (an input) or exit (an output)."""
   boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
   return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
                     t.slot.kind if op is None else op.primitive,
                     boundary if op is None else op.source, str(t.slot), _shape(t.value),
-                    str(step.before), str(step.after))
+                    str(step.before), str(step.after), trips)
 
 
-def _halo_collective(h: Halo, nbytes: int, s: ScheduledOp) -> Collective:
+def _halo_collective(h: Halo, nbytes: int, s: ScheduledOp, trips: int | None) -> Collective:
   x = s.op.inputs[h.operand]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read)
+                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips)
 
 
 def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:

@@ -20,6 +20,7 @@ from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.wire import Wire
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class Schedule:
 
 class _Scheduler:
   def __init__(self, program: Program, constraints: list[Constraint],
-               shardings: Mapping[Value, TensorSharding], mesh: MeshShape):
-    self.shardings, self.mesh = shardings, mesh
+               shardings: Mapping[Value, TensorSharding], mesh: MeshShape, wire: Wire):
+    self.shardings, self.mesh, self.wire = shardings, mesh, wire
     self.by_op: dict[int, list[Constraint]] = {}
     for c in constraints:
       self.by_op.setdefault(c.op.index, []).append(c)
@@ -95,9 +96,9 @@ class _Scheduler:
   # --- forms ------------------------------------------------------------------------------------
 
   def steps(self, v: Value, src: TensorSharding, dst: TensorSharding) -> tuple[ReshardStep, ...]:
-    key = (src, dst, v.shape, v.dtype.itemsize)
+    key = (src, dst, v.shape, self.wire(v.dtype))
     if key not in self._steps:
-      self._steps[key] = plan_reshard(src, dst, v.shape, v.dtype.itemsize, self.mesh)
+      self._steps[key] = plan_reshard(src, dst, v.shape, self.wire(v.dtype), self.mesh)
     return self._steps[key]
 
   def _best(self, v: Value, dst: TensorSharding) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
@@ -130,7 +131,7 @@ class _Scheduler:
     if op.regions:
       return self.control(op, constraints)
     (c,) = constraints
-    ex = plan_execution(c, self.shardings, self.mesh, self.price)
+    ex = plan_execution(c, self.shardings, self.mesh, self.price, self.wire)
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:
@@ -146,7 +147,7 @@ class _Scheduler:
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
     new_hops = []
-    for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh):
+    for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh, self.wire):
       key = halo_piece(op.inputs[halo.operand], reads[halo.operand], chain, hop)
       if key not in self.halo_pieces:
         self.halo_pieces.add(key)
@@ -189,7 +190,7 @@ class _Scheduler:
   def control(self, op: Op, constraints: list[Constraint]) -> ScheduledOp:
     """Outer operands enter in the form their link needs; region outputs leave in the form their
     link needs (resharded inside the region); region inputs and results take the link's form."""
-    execs = [plan_execution(c, self.shardings, self.mesh, self.price) for c in constraints]
+    execs = [plan_execution(c, self.shardings, self.mesh, self.price, self.wire) for c in constraints]
     reads: list[TensorSharding | None] = [None] * len(op.inputs)
     writes: list[TensorSharding | None] = [None] * len(op.outputs)
     exits: list[list[TensorSharding | None]] = [[None] * len(r.outputs) for r in op.regions]
@@ -267,10 +268,11 @@ def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
 def schedule(program: Program, constraints: list[Constraint],
              shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
              entries: tuple[TensorSharding | None, ...], outputs: tuple[TensorSharding, ...],
-             mesh: MeshShape) -> Schedule:
+             mesh: MeshShape, wire: Wire) -> Schedule:
   """``inputs``: the form each input arrives in; ``entries``: the form it is resharded to first
-  (None: kept as it arrives); ``outputs``: the forms handed back."""
-  s = _Scheduler(program, constraints, shardings, mesh)
+  (None: kept as it arrives); ``outputs``: the forms handed back; ``wire``: the bytes a
+  collective moves per element of a dtype on the backend compiled for."""
+  s = _Scheduler(program, constraints, shardings, mesh, wire)
   for v in program.consts:
     s.forms[v] = [TensorSharding.replicated(len(v.shape))]
   for v, arrives in zip(program.inputs, inputs):
