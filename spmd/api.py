@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.ir import build_program
 from spmd.partition.lower import lower_spmd
@@ -25,14 +26,20 @@ BACKENDS = ("spmd", "xla")
 
 
 def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
-              out_specs: Any = None, static_argnums: int | Sequence[int] = (),
+              out_specs: Any = None, rules: Sequence[tuple[str, Any]] | None = None,
+              static_argnums: int | Sequence[int] = (),
               donate_argnums: int | Sequence[int] = (), backend: str = "spmd") -> Any:
   """Partitions ``fun`` over ``mesh``: one SPMD program for every device.
 
   ``in_specs`` / ``out_specs`` are pytree prefixes of the (non-static) arguments / the outputs
-  with ``PartitionSpec`` or ``None`` (open: propagation chooses) leaves. ``in_specs=None`` takes
-  the ``NamedSharding`` of arguments already on ``mesh`` and leaves the rest open. Works as a
-  decorator (``@partition(mesh=...)``) or a call (``partition(f, mesh=...)``).
+  with ``PartitionSpec``, ``NamedSharding`` (on ``mesh``) or ``None`` (open: propagation chooses)
+  leaves. An open argument committed to ``mesh`` keeps its sharding, as under ``jax.jit``; one
+  boxed by flax (``nn.Partitioned``, ``nn.LogicallyPartitioned``) takes its box's names. Works as
+  a decorator (``@partition(mesh=...)``) or a call (``partition(f, mesh=...)``).
+
+  ``rules``: flax-style ``logical_axis_rules``, ``(logical_name, mesh_axes)`` pairs. A spec entry
+  that is not a mesh axis is a logical name, resolved through them (in in_specs, out_specs, box
+  names and annotations; flax's ``nn.with_logical_constraint`` inside ``fun`` resolves too).
 
   ``backend="spmd"`` (default) emits one ``jax.jit(jax.shard_map(...))`` program in which every
   collective is one spmd chose (the plan lists them exactly); ``backend="xla"`` jits the program
@@ -40,10 +47,10 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   """
   if fun is None:
     return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             static_argnums=static_argnums, donate_argnums=donate_argnums,
-                             backend=backend)
+                             rules=rules, static_argnums=static_argnums,
+                             donate_argnums=donate_argnums, backend=backend)
   return Partitioned(fun, mesh, in_specs, out_specs, _ints(static_argnums, "static_argnums"),
-                     _ints(donate_argnums, "donate_argnums"), backend)
+                     _ints(donate_argnums, "donate_argnums"), backend, rules)
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,8 @@ class Partitioned:
   """A partitioned function: call it, or ask for its ``plan`` / ``lower`` without running it."""
 
   def __init__(self, fun: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
-               static_argnums: tuple[int, ...], donate_argnums: tuple[int, ...], backend: str):
+               static_argnums: tuple[int, ...], donate_argnums: tuple[int, ...], backend: str,
+               rules: Sequence[tuple[str, Any]] | None = None):
     if not callable(fun):
       raise TypeError(f"spmd.partition: fun must be callable, got {fun!r}")
     if not isinstance(mesh, Mesh):
@@ -70,6 +78,7 @@ class Partitioned:
     self.in_specs, self.out_specs = in_specs, out_specs
     self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
     self._mesh_shape = mesh_shape(mesh)
+    self._rules = AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
     self._dispatch: dict[Any, _Compiled] = {}
     functools.update_wrapper(self, fun)
@@ -118,13 +127,17 @@ class Partitioned:
     for name, leaf in zip(leaf_names, leaves):
       _check_leaf(name, leaf)
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
-    given = self._input_specs(dyn, leaf_names, avals)
+    requested = self._requested_specs(dyn, len(leaves))
+    given = tuple(self._sharding(spec, aval.shape, f"in_specs for argument {name}")
+                  for spec, aval, name in zip(requested, avals, leaf_names))
     arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
                                     f"the sharding of argument {name}")
                      for leaf, aval, name in zip(leaves, avals, leaf_names))
     key = (in_tree, avals, statics, given, arrivals)
     if key not in self._cache:
-      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, leaf_names, given,
+      labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
+                for name, spec in zip(leaf_names, requested)]
+      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, labels, given,
                                      arrivals)
     return self._cache[key], leaves
 
@@ -145,14 +158,15 @@ class Partitioned:
     # spec like any other, not a type JAX would propagate into the ops' params.
     unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
                  for a in map(jax.typeof, leaves)]
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
       closed = jax.make_jaxpr(flat_fun)(*unsharded)
     out_tree = out_store[-1]
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     analysis = analyze(program, boundary, self._mesh_shape,
-                       platform=self.mesh.devices.flat[0].platform, backend=self.backend,
+                       platform=self.mesh.devices.flat[0].platform,
+                       resolve=self._rules.resolve, backend=self.backend,
                        name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
                        out_tree=out_tree)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
@@ -218,16 +232,12 @@ class Partitioned:
 
   # --- specs -----------------------------------------------------------------------------------
 
-  def _input_specs(self, dyn: tuple, names: list[str],
-                   avals: tuple) -> tuple[TensorSharding | None, ...]:
-    """The given specs; ``in_specs=None`` leaves every argument open (a committed argument's own
-    sharding then seeds it, as for an open leaf)."""
-    if self.in_specs is None:
-      specs = [None] * len(avals)
-    else:
-      specs = _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments")
-    return tuple(self._sharding(spec, aval.shape, f"in_specs for argument {name}")
-                 for spec, aval, name in zip(specs, avals, names))
+  def _requested_specs(self, dyn: tuple, count: int) -> list[P | NamedSharding | None]:
+    """Per leaf, the spec in_specs gives, else its flax box's names; None: open (a committed
+    argument's own sharding then seeds it)."""
+    given = ([None] * count if self.in_specs is None else
+             _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments"))
+    return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
   def _output_specs(self, out_tree: Any, program: Any) -> tuple[TensorSharding | None, ...]:
     if self.out_specs is None:
@@ -238,9 +248,17 @@ class Partitioned:
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(specs, program.outputs, paths))
 
-  def _sharding(self, spec: P | None, shape: tuple[int, ...], what: str) -> TensorSharding | None:
+  def _sharding(self, spec: P | NamedSharding | None, shape: tuple[int, ...],
+                what: str) -> TensorSharding | None:
     if spec is None:
       return None
+    if isinstance(spec, NamedSharding):
+      if (spec.mesh.axis_names != self.mesh.axis_names
+          or spec.mesh.shape_tuple != self.mesh.shape_tuple):
+        raise ValueError(f"{what}: {spec} is on another mesh than spmd.partition's "
+                         f"{dict(self.mesh.shape)}")
+      spec = spec.spec
+    spec = self._rules.resolve(spec, what)
     sharding = TensorSharding.from_spec(spec, len(shape), self._mesh_shape, what=what)
     for d, n in enumerate(shape):
       shards = sharding.shards(d, self._mesh_shape)
@@ -280,24 +298,31 @@ class Partitioned:
     return tuple(out)
 
 
-def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | None]:
+def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | NamedSharding | None]:
   """Expands a pytree prefix of specs to one spec per leaf of ``tree``."""
   if isinstance(prefix, (list, tuple)) and isinstance(tree, (list, tuple)):
     prefix = type(tree)(prefix)  # a list of specs for a tuple of arguments, or the reverse
-  is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+  is_spec = lambda x: x is None or isinstance(x, (P, NamedSharding))  # noqa: E731
   spec_leaves, spec_tree = tree_flatten(prefix, is_leaf=is_spec)
   for leaf in spec_leaves:
     if not is_spec(leaf):
-      raise TypeError(f"spmd.partition: {what} leaves must be PartitionSpec or None, got {leaf!r}")
+      raise TypeError(f"spmd.partition: {what} leaves must be PartitionSpec, NamedSharding or "
+                      f"None, got {leaf!r}")
   try:
     subtrees = spec_tree.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
     raise ValueError(f"spmd.partition: {what} {prefix!r} does not match the structure of the "
                      f"{of} {jax.tree_util.tree_structure(tree)}: {e}") from None
-  out: list[P | None] = []
+  out: list[P | NamedSharding | None] = []
   for spec, sub in zip(spec_leaves, subtrees):
     out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
   return out
+
+
+def _names_logical(spec: Any, mesh: Mesh) -> bool:
+  """Whether a PartitionSpec names something other than ``mesh``'s axes (logical names)."""
+  return isinstance(spec, P) and any(isinstance(e, str) and e not in mesh.axis_names
+                                     for e in spec)
 
 
 def _inexact(aval: Any) -> bool:

@@ -231,7 +231,7 @@ def test_in_specs_structure_must_match(mesh):
   with pytest.raises(ValueError, match="does not match"):
     g({"a": X})
   g = spmd.partition(lambda x: x, mesh=mesh, in_specs=("data",))
-  with pytest.raises(TypeError, match="PartitionSpec or None"):
+  with pytest.raises(TypeError, match="PartitionSpec, NamedSharding or None"):
     g(X)
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.halo import Halo
@@ -41,10 +43,11 @@ class Analysis:
 
 
 def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, platform: str,
-            backend: str, name: str, in_tree: Any, out_tree: Any) -> Analysis:
+            resolve: Callable[[P, str], P], backend: str, name: str, in_tree: Any,
+            out_tree: Any) -> Analysis:
   """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
   uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
-  seeds = _seeds(program, boundary, mesh)
+  seeds = _seeds(program, boundary, mesh, resolve)
   prop = propagate(program, seeds, mesh)
   inputs = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
                  for v, spec, arrival in zip(program.inputs, boundary.inputs, boundary.arrivals))
@@ -96,7 +99,9 @@ def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorS
   return s.with_dims(dims)
 
 
-def _seeds(program: Program, boundary: Boundary, mesh: MeshShape) -> dict[Value, Seed]:
+def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
+           resolve: Callable[[P, str], P]) -> dict[Value, Seed]:
+  """``resolve`` turns an annotation's logical axis names into mesh axes."""
   seeds: dict[Value, Seed] = {}
   for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
@@ -110,7 +115,10 @@ def _seeds(program: Program, boundary: Boundary, mesh: MeshShape) -> dict[Value,
       continue
     out = op.outputs[0]
     what = f"annotation at {op.source}"
-    sharding = TensorSharding.from_spec(spec[0], len(out.shape), mesh, what=what)
+    resolved = resolve(spec[0], what)
+    sharding = TensorSharding.from_spec(resolved, len(out.shape), mesh, what=what)
+    if resolved != spec[0]:
+      what += f" as {spec[0]}"
     closed = frozenset(range(sharding.rank)) - spec[1]
     seeds[out] = Seed(sharding, closed, Origin("annotation", what))
   for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):

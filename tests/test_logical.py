@@ -1,0 +1,131 @@
+"""Logical axis names (flax's logical_axis_rules) and what flax users already hold: specs from
+nn.get_partition_spec, boxed params passed straight in, nn.with_logical_constraint inside the
+model, NamedSharding leaves."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import assert_trees_match
+
+RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"))
+
+
+class MLP(nn.Module):
+  hidden: int = 64
+  out: int = 16
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, names: nn.Dense(  # noqa: E731
+        n, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names))
+    h = nn.relu(dense(self.hidden, ("embed", "mlp"))(x))
+    h = nn.with_logical_constraint(h, ("batch", "mlp"))
+    return dense(self.out, ("mlp", "embed"))(h)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return spmd.make_mesh({"data": 2, "model": 4})
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = MLP()
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 32)), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  return model, variables, x
+
+
+def test_rules_resolve_logical_names_as_flax_does(mesh):
+  rules = spmd.logical.AxisRules.of((("batch", "data"), ("embed", "data"), ("embed", "model")),
+                                    mesh.axis_names)
+  assert rules.resolve(P("batch", "embed"), "x") == P("data", "model")  # "data" taken: next rule
+  assert rules.resolve(P("embed", None), "x") == P("data", None)
+  assert rules.resolve(P("model", "embed"), "x") == P("model", "data")  # mesh axes stay
+  with pytest.raises(ValueError, match="'heads', which is not in the mesh.*rules= has batch"):
+    rules.resolve(P("heads"), "in_specs for argument 'x'")
+
+
+def test_training_step_from_get_partition_spec_and_rules(mesh, setup):
+  """A flax model's step with no hand-written specs: nn.get_partition_spec + rules=."""
+  model, variables, x = setup
+  params = nn.unbox(variables)["params"]
+  opt = optax.adamw(1e-2)
+  labels = jnp.arange(8) % 16
+
+  def step(params, opt_state, x, labels):
+    def loss_fn(p):
+      logits = model.apply({"params": p}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  param_specs = nn.get_partition_spec(variables)["params"]
+  opt_state = opt.init(params)
+  opt_specs = optax.tree_map_params(opt, lambda _, s: s, opt_state, param_specs,
+                                    transform_non_params=lambda _: P())
+  g = spmd.partition(step, mesh=mesh, rules=RULES,
+                     in_specs=(param_specs, opt_specs, P("batch", None), P("batch")))
+  plan = g.plan(params, opt_state, x, labels)
+  got = g(params, opt_state, x, labels)
+  assert_trees_match(got, step(params, opt_state, x, labels), rtol=1e-4, atol=1e-5)
+  kernel = plan.in_specs[0]["Dense_0"]["kernel"]
+  assert kernel == P(None, "model")
+  assert "as P('embed', 'mlp')" in plan.explain()  # the logical names beside the mesh axes
+
+
+def test_annotations_with_logical_names(mesh):
+  def fn(x, w):
+    return jnp.tanh(spmd.annotate(x @ w, P("batch", "mlp"))).sum(0)
+
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+  g = spmd.partition(fn, mesh=mesh, rules=RULES, in_specs=(P("batch", None), P()))
+  plan = g.plan(x, w)
+  (row,) = [r for r in plan.rows if r.primitive == "spmd_annotate"]
+  assert row.specs == ("P('data', 'model')",)
+  assert row.origins[0].endswith("as P('batch', 'mlp')")
+  np.testing.assert_allclose(g(x, w), fn(x, w), rtol=1e-5)
+
+
+def test_boxed_params_passed_straight_in_take_their_names(mesh, setup):
+  model, variables, x = setup
+  g = spmd.partition(lambda v, x: model.apply(v, x), mesh=mesh, rules=RULES,
+                     in_specs=(None, P("batch", None)))
+  plan = g.plan(variables, x)
+  assert plan.in_specs[0]["params"]["Dense_1"]["kernel"].value == P("model", None)
+  np.testing.assert_allclose(g(variables, x), model.apply(variables, x), rtol=1e-5, atol=1e-5)
+
+
+def test_with_logical_constraint_counts_without_flax_rules_context(mesh, setup):
+  """spmd traces under its own rules: the constraint pins the hidden layer as ("batch",
+  "mlp") even though the user opened no flax axis_rules context."""
+  model, variables, x = setup
+  params = nn.unbox(variables)
+  g = spmd.partition(model.apply, mesh=mesh, rules=RULES, in_specs=(None, P()))
+  plan = g.plan(params, x)
+  constrained = [r for r in plan.rows if r.primitive == "sharding_constraint"]
+  assert constrained and constrained[0].specs == ("P('data', 'model')",), plan.explain()
+
+
+def test_named_sharding_leaves(mesh, setup):
+  model, variables, x = setup
+  params = nn.unbox(variables)
+  kernel = NamedSharding(mesh, P(None, "model"))
+  specs = {"params": {"Dense_0": {"kernel": kernel, "bias": NamedSharding(mesh, P("model"))},
+                      "Dense_1": {"kernel": NamedSharding(mesh, P("model", None)), "bias": None}}}
+  g = spmd.partition(model.apply, mesh=mesh, in_specs=(specs, NamedSharding(mesh, P("data"))))
+  plan = g.plan(params, x)
+  assert plan.in_specs[0]["params"]["Dense_0"]["kernel"] == P(None, "model")
+  np.testing.assert_allclose(g(params, x), model.apply(params, x), rtol=1e-5, atol=1e-5)
+  other = spmd.make_mesh({"a": 8})
+  g = spmd.partition(model.apply, mesh=mesh, in_specs=(None, NamedSharding(other, P("a"))))
+  with pytest.raises(ValueError, match="another mesh"):
+    g.plan(params, x)
