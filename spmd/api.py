@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -81,9 +82,15 @@ class Partitioned:
     self._rules = AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
     self._dispatch: dict[Any, _Compiled] = {}
+    self._graph_calls: dict[Any, Partitioned] = {}
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if _graph_node_positions(args) and not kwargs:
+      pure, pure_args, nodes = self._over_graph_state(args)
+      out, state = pure(*pure_args)
+      sys.modules["flax.nnx"].update(nodes, state)  # the modules' updates, as nnx.jit does
+      return out
     key, leaves = (None, None) if kwargs else _dispatch_key(args, self.static_argnums)
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
@@ -97,11 +104,57 @@ class Partitioned:
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
+    if _graph_node_positions(args) and not kwargs:
+      pure, pure_args, _ = self._over_graph_state(args)
+      return pure.plan(*pure_args)
     return self._compile(args, kwargs)[0].analysis.plan
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    if _graph_node_positions(args) and not kwargs:
+      pure, pure_args, _ = self._over_graph_state(args)
+      return pure.lower(*pure_args)
     compiled, leaves = self._compile(args, kwargs)
     return compiled.fn.lower(*leaves)
+
+  # --- NNX modules as arguments ----------------------------------------------------------------
+
+  def _over_graph_state(self, args: tuple) -> tuple[Partitioned, tuple, tuple]:
+    """NNX modules (graph nodes) among ``args``, as under ``nnx.jit``: the function is
+    partitioned over their joint state (shared variables stay shared) and returns the state it
+    leaves them in, to be written back. Returns (that partitioned function, its arguments, the
+    modules)."""
+    nnx = sys.modules["flax.nnx"]
+    positions = _graph_node_positions(args)
+    if set(positions) & {i % len(args) for i in self.static_argnums}:
+      raise TypeError("spmd.partition: an NNX module cannot be a static argument")
+    nodes = tuple(args[i] for i in positions)
+    graphdef, state = nnx.split(nodes)
+    others = tuple(a for i, a in enumerate(args) if i not in positions)
+    key = (positions, len(args), graphdef)
+    if key not in self._graph_calls:
+      self._graph_calls[key] = self._pure_over_state(nnx, graphdef, state, positions, len(args))
+    return self._graph_calls[key], (state, *others), nodes
+
+  def _pure_over_state(self, nnx: Any, graphdef: Any, state: Any, positions: tuple[int, ...],
+                       count: int) -> Partitioned:
+    fun = self.fun
+
+    def pure(state: Any, *others: Any) -> tuple[Any, Any]:
+      nodes, rest = nnx.merge(graphdef, state), iter(others)
+      out = fun(*[nodes[positions.index(i)] if i in positions else next(rest)
+                  for i in range(count)])
+      return out, nnx.state(nodes)
+
+    given = (self.in_specs if isinstance(self.in_specs, (tuple, list)) else
+             (self.in_specs,) * count)
+    if len(given) != count:
+      raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {count} arguments")
+    state_specs = type(state)({k: given[i] for k, i in zip(state.keys(), positions)})
+    in_specs = (state_specs, *(g for i, g in enumerate(given) if i not in positions))
+    kept = {i % count for i in self.static_argnums}
+    static = tuple(1 + sum(1 for j in range(i) if j not in positions) for i in sorted(kept))
+    return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, (),
+                       self.backend, self._rules.rules)
 
   # --- tracing and caching -------------------------------------------------------------------
 
@@ -317,6 +370,14 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | Na
   for spec, sub in zip(spec_leaves, subtrees):
     out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
   return out
+
+
+def _graph_node_positions(args: tuple) -> tuple[int, ...]:
+  """Positions of NNX modules (graph nodes) among ``args``; none where NNX is not imported."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return ()
+  return tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
 
 
 def _names_logical(spec: Any, mesh: Mesh) -> bool:

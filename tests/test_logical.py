@@ -129,3 +129,46 @@ def test_named_sharding_leaves(mesh, setup):
   g = spmd.partition(model.apply, mesh=mesh, in_specs=(None, NamedSharding(other, P("a"))))
   with pytest.raises(ValueError, match="another mesh"):
     g.plan(params, x)
+
+
+# --- NNX modules as arguments, as under nnx.jit -------------------------------------------------
+
+def test_nnx_modules_updated_in_place_as_under_nnx_jit(mesh):
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(32, 64, rngs=rngs)
+      self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(nnx.relu(self.up(x)))
+
+  def train_step(model, optimizer, x, labels):
+    def loss_fn(model):
+      logits = model(x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  def make():
+    model = Net(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+  ours, reference = make(), make()
+  step = spmd.partition(train_step, mesh=mesh, in_specs=(None, None, P("data", None), P("data")))
+  jitted = nnx.jit(train_step)
+  rng = np.random.default_rng(0)
+  losses = []
+  for _ in range(3):
+    x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 16, 8), jnp.int32)
+    got, want = step(*ours, x, labels), jitted(*reference, x, labels)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    losses.append(float(got))
+  assert losses[-1] < losses[0]  # it trains: the updates were written back
+  assert_trees_match(nnx.state(ours[0]), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
+  assert_trees_match(nnx.state(ours[1]), nnx.state(reference[1]), rtol=1e-5, atol=1e-6)
+  assert step.plan(*ours, x, labels).in_specs[1] == P("data", None)
