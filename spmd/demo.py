@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd.train import optimizer_specs
 
 MODEL_WAYS = 4  # the "model" axis on 8 devices; data parallel over the rest
 BATCH, D_IN, HIDDEN, CLASSES, STEPS = 16, 32, 64, 10, 3
@@ -83,9 +84,7 @@ def run_demo() -> int:
   rng = np.random.default_rng(0)
   params = init_params(rng)
   opt_state = opt.init(params)
-  # Optimizer moments follow their params; the step count is replicated.
-  opt_specs = optax.tree_map_params(opt, lambda _, spec: spec, opt_state, PARAM_SPECS,
-                                    transform_non_params=lambda _: P())
+  opt_specs = optimizer_specs(opt, opt_state, PARAM_SPECS)  # moments follow their params
   state_specs = (PARAM_SPECS, opt_specs)
   step = spmd.partition(train_step, mesh=mesh, in_specs=state_specs + BATCH_SPECS,
                         out_specs=state_specs + (P(),))

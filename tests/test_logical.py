@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd.train import optimizer_specs
 from helpers import assert_trees_match
 
 RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("vocab", "model"))
@@ -70,8 +71,7 @@ def test_training_step_from_get_partition_spec_and_rules(mesh, setup):
 
   param_specs = nn.get_partition_spec(variables)["params"]
   opt_state = opt.init(params)
-  opt_specs = optax.tree_map_params(opt, lambda _, s: s, opt_state, param_specs,
-                                    transform_non_params=lambda _: P())
+  opt_specs = optimizer_specs(opt, opt_state, param_specs)
   g = spmd.partition(step, mesh=mesh, rules=RULES,
                      in_specs=(param_specs, opt_specs, P("batch", None), P("batch")))
   plan = g.plan(params, opt_state, x, labels)
@@ -172,3 +172,14 @@ def test_nnx_modules_updated_in_place_as_under_nnx_jit(mesh):
   assert_trees_match(nnx.state(ours[0]), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
   assert_trees_match(nnx.state(ours[1]), nnx.state(reference[1]), rtol=1e-5, atol=1e-6)
   assert step.plan(*ours, x, labels).in_specs[1] == P("data", None)
+
+
+@pytest.mark.parametrize("opt", [optax.adamw(1e-3), optax.sgd(0.1, momentum=0.9),
+                                 optax.chain(optax.clip_by_global_norm(1.0), optax.lion(1e-3))],
+                         ids=["adamw", "momentum", "chain-lion"])
+def test_optimizer_specs_follow_their_params(opt):
+  params = {"w": jnp.ones((8, 16)), "b": jnp.ones(16)}
+  specs = optimizer_specs(opt, opt.init(params), {"w": P(None, "model"), "b": None})
+  leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  assert P(None, "model") in leaves  # the moments of w (b's stay open: None)
+  assert all(s in (P(None, "model"), P()) for s in leaves)  # the rest (counts) replicated

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from spmd.train import optimizer_specs
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -34,9 +36,7 @@ def _layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _opt_specs(opt: optax.GradientTransformation, params: Any, param_specs: Any) -> Any:
-  """Optimizer state specs: moments follow their parameter, everything else is replicated."""
-  return optax.tree_map_params(opt, lambda _, spec: spec, opt.init(params), param_specs,
-                               transform_non_params=lambda _: P())
+  return optimizer_specs(opt, opt.init(params), param_specs)
 
 
 def mlp(batch: int = 16, d: int = 32, h: int = 64, classes: int = 16,
