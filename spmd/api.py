@@ -328,8 +328,10 @@ class Partitioned:
       return args
     bound = inspect.signature(self.fun).bind(*args, **kwargs)
     if bound.kwargs:
-      raise TypeError(f"spmd.partition: keyword-only arguments {sorted(bound.kwargs)} are not "
-                      "supported; pass them positionally")
+      names = sorted(bound.kwargs)
+      raise TypeError(f"spmd.partition: keyword-only arguments {names} are not supported: bind "
+                      f"them first (functools.partial(fun, {names[0]}=...)) or make them "
+                      "positional parameters of the function")
     return bound.args
 
   def _arg_names(self, n: int) -> list[str]:
@@ -363,9 +365,10 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | Na
                       f"None, got {leaf!r}")
   try:
     subtrees = spec_tree.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError):  # JAX's message would print the arrays themselves
     raise ValueError(f"spmd.partition: {what} {prefix!r} does not match the structure of the "
-                     f"{of} {jax.tree_util.tree_structure(tree)}: {e}") from None
+                     f"{of}: {what} is {spec_tree}, the {of} are "
+                     f"{jax.tree_util.tree_structure(tree)}") from None
   out: list[P | NamedSharding | None] = []
   for spec, sub in zip(spec_leaves, subtrees):
     out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))

@@ -390,3 +390,20 @@ def test_uneven_param_fed_back_over_training_steps():
       rows = [r for r in g.plan(got, ids).rows if r.primitive == "input[0]"]
       assert rows and not rows[0].collectives, "a local slice of a replicated array is free"
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_structure_mismatch_names_structures_not_arrays(mesh):
+  g = spmd.partition(lambda a, b, c: a + b, mesh=mesh, in_specs=(P(), P()))
+  with pytest.raises(ValueError) as info:
+    g(X, X, X)
+  message = str(info.value)
+  assert "in_specs is PyTreeDef((*, *)), the arguments are PyTreeDef((*, *, *))" in message
+  assert "Array(" not in message and len(message.splitlines()) == 1
+
+
+def test_keyword_only_arguments_get_advice_that_works(mesh):
+  def h(x, *, scale):
+    return x * scale
+
+  with pytest.raises(TypeError, match=r"functools.partial\(fun, scale=...\)"):
+    spmd.partition(h, mesh=mesh)(X, scale=2.0)
