@@ -215,7 +215,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
 def _cse_key(op: Op) -> tuple | None:
   if op.regions or op.eqn.effects:
     return None
-  inputs = tuple(a.id if isinstance(a, Value) else ("lit", repr(a.val), str(a.aval))
+  inputs = tuple(a.id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
                  for a in op.inputs)
   try:
     key = (op.primitive, inputs, tuple(sorted(op.params.items())))
@@ -223,6 +223,12 @@ def _cse_key(op: Op) -> tuple | None:
   except TypeError:
     return None
   return key
+
+
+def _literal_key(val: Any) -> Any:
+  """A hashable stand-in for a literal's value (no repr: printing numpy values is slow)."""
+  array = np.asarray(val)
+  return (array.dtype.str, array.item()) if array.ndim == 0 else repr(val)
 
 
 def build_program(closed: jcore.ClosedJaxpr) -> Program:

@@ -119,6 +119,11 @@ class _Engine:
       self.dims[value] = list(seed.sharding.dims)
       self.closed[value] = seed.closed_dims
       self.origins[value] = seed.origin
+    # A constraint reads only its tensors' dims: one none of whose tensors changed since its last
+    # application would write nothing new, so it is skipped (the same fixed point, sooner).
+    self.clock = 0
+    self.changed_at: dict[Value, int] = {}
+    self.applied_at: dict[int, int] = {}
 
   def dims_of(self, v: Value) -> list[Axes]:
     if v not in self.dims:
@@ -135,6 +140,12 @@ class _Engine:
           changed |= self.apply(c)
 
   def apply(self, c: Constraint) -> bool:
+    last = self.applied_at.get(id(c))
+    if last is not None and all(self.changed_at.get(v, -1) < last
+                                for v in c.tensors() if v is not None):
+      return False
+    self.clock += 1
+    self.applied_at[id(c)] = self.clock
     rule = c.rule
     candidates: dict[int, list[_Candidate]] = {}
     for pos, (v, tf) in enumerate(zip(c.tensors(), rule.tensors())):
@@ -209,6 +220,8 @@ class _Engine:
       if not added:
         continue
       dims[d] = grown
+      self.clock += 1
+      self.changed_at[v] = self.clock
       if source is not None and source.value is not v:
         self.origins[v] = Origin("propagated", via=c.op, source=source.value)
       changed = True
