@@ -2,7 +2,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -48,13 +47,11 @@ def test_form_passed_through_by_a_reshard_is_reused():
   assert [c.kind for c in f.plan(x).collectives] == ["all-gather"]
 
 
-@pytest.mark.xfail(strict=True, reason="open: an annotation's result does not share its operand's "
-                   "forms, so the same reshard is emitted twice and XLA merges the copies")
 def test_annotated_value_and_its_operand_share_reshards():
-  """``a = annotate(y, P('x', None))`` is ``y`` itself (same form, no transfer), yet gathering
-  ``a`` and gathering ``y`` are scheduled as two all-gathers (the scheduler keeps forms per
-  value, and an annotation's result is a new value). XLA CSEs the two identical all-gathers:
-  the HLO moves 128 B, the plan says 256 B."""
+  """``a = annotate(y, P('x', None))`` is ``y`` itself (same form, no transfer); gathering ``a``
+  and gathering ``y`` were scheduled as two all-gathers (forms were kept per value, and an
+  annotation's result was a new value), which XLA CSEd: HLO 128 B, plan 256 B. An annotation's
+  result now shares its operand's forms (schedule.annotation)."""
   mesh = spmd.make_mesh({"x": 8})
 
   @spmd.partition(mesh=mesh, in_specs=P("x", None))
@@ -66,12 +63,10 @@ def test_annotated_value_and_its_operand_share_reshards():
   _check(f, jnp.arange(32, dtype=jnp.float32).reshape(8, 4))
 
 
-@pytest.mark.xfail(strict=True, reason="open: an annotation's result does not share its operand's "
-                   "forms, so the same reshard is emitted twice and XLA merges the copies")
 def test_two_annotations_of_one_value_share_reshards():
   """``annotate(x, P(None))`` gathers x; the output ``annotate(x, P('x'))`` (x itself) is wanted
-  whole too and is gathered a second time. XLA CSEs the two all-gathers: HLO 32 B, plan 64 B.
-  (Shrunk by tests/test_property.py from a random program.)"""
+  whole too and was gathered a second time, which XLA CSEd: HLO 32 B, plan 64 B. (Shrunk by
+  tests/test_property.py from a random program.)"""
   mesh = spmd.make_mesh({"x": 8})
 
   @spmd.partition(mesh=mesh, in_specs=None, out_specs=(None, P(None)))
@@ -79,3 +74,21 @@ def test_two_annotations_of_one_value_share_reshards():
     return spmd.annotate(x, P(None)), spmd.annotate(x, P("x"))
 
   _check(f, jnp.arange(8, dtype=jnp.int32))
+
+
+def test_annotation_rows_show_the_reshards_they_cause():
+  """Annotations move nothing themselves (their readers reshard, once for every reader), yet
+  explain() shows each reshard on the row of the annotation that asked for it."""
+  mesh = spmd.make_mesh({"x": 8})
+
+  @spmd.partition(mesh=mesh, in_specs=P("x", None))
+  def f(x):
+    whole = spmd.annotate(x * 2, P(None, None))
+    return jnp.tanh(whole) + 1, whole.sum(0), whole
+
+  x = jnp.arange(32, dtype=jnp.float32).reshape(8, 4)
+  _check(f, x)
+  plan = f.plan(x)
+  (row,) = [r for r in plan.rows if r.primitive == "spmd_annotate"]
+  assert [c.kind for c in row.collectives] == ["all-gather"]
+  assert [c.kind for c in plan.collectives] == ["all-gather"]  # one gather, three readers

@@ -72,6 +72,7 @@ def _pad_global(x: Any, s: TensorSharding, shape: tuple[int, ...], mesh: MeshSha
 class _Interpreter:
   def __init__(self, analysis: Analysis, mesh: MeshShape):
     self.analysis, self.mesh = analysis, mesh
+    self.aliases = analysis.schedule.aliases  # an annotation's result is its operand
 
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
@@ -89,15 +90,16 @@ class _Interpreter:
     if isinstance(x, Literal):
       value = np.asarray(x.val, dtype=x.aval.dtype)
       return value if s is None else jnp.full(s.local_shape(x.aval.shape, self.mesh), value)
-    return env[(x, s)]
+    return env[(self.aliases.get(x, x), s)]
 
   def transfers(self, transfers: list[Transfer], env: Env) -> None:
     for t in transfers:
-      x = env[(t.value, t.src)]
+      value = self.aliases.get(t.value, t.value)
+      x = env[(value, t.src)]
       for step in t.steps:
         x = self.step(x, step, t.value.shape)
-        env.setdefault((t.value, step.after), x)  # forms passed through (schedule.acquire)
-      env[(t.value, t.dst)] = x
+        env.setdefault((value, step.after), x)  # forms passed through (schedule.acquire)
+      env[(value, t.dst)] = x
 
   def step(self, x: Any, step: ReshardStep, shape: tuple[int, ...]) -> Any:
     """One reshard step on the local block; uneven dims are padded when split from whole and
@@ -142,6 +144,8 @@ class _Interpreter:
   def ops(self, scheduled: list[ScheduledOp], env: Env) -> None:
     for s in scheduled:
       self.transfers(s.transfers, env)
+      if s.op.outputs and s.op.outputs[0] in self.aliases:
+        continue  # an annotation: nothing to run
       args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
       if s.regions:
         outs = describe(s.op.eqn.primitive).control.lower(self, s, args)

@@ -1,6 +1,7 @@
 """From a program and its boundary specs to shardings, executions and the public Plan."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -136,11 +137,16 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
           warnings: list[str]) -> Plan:
   producers = _producers(program, boundary)
   trips = _trips(program)
+  annotations = {op.outputs[0]: op for op in program.all_ops()
+                 if op.outputs and op.outputs[0] in sched.aliases}
   by_op: dict[int, list[Collective]] = {}
   for s in sched.walk():
     outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
-    by_op[s.op.index] = [_collective(step, s.op, t, outer) for t in s.transfers
-                         for step in t.steps if step.communicates]
+    by_op.setdefault(s.op.index, [])
+    for t in s.transfers:
+      owner = _caused_by(s.op.inputs[t.slot.index], t, annotations, prop) or s.op
+      by_op.setdefault(owner.index, []).extend(
+          _collective(step, owner, t, outer) for step in t.steps if step.communicates)
     by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
                           for step in t.steps if step.communicates]
     by_op[s.op.index] += [_halo_collective(h, b, s, outer) for h, b in s.halo_hops]
@@ -161,6 +167,12 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
                     f"in_specs asks for {t.dst}: resharded inside the program "
                     f"({sum(c.bytes for c in cols)} bytes per device)")
   for t in sched.exit:
+    owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
+    if owner is not None:  # the output is an annotation's result, gathered as it asks
+      cols = tuple(_collective(step, owner, t, 1) for step in t.steps if step.communicates)
+      by_op.setdefault(owner.index, []).extend(cols)
+      _attach(rows, owner, cols)
+      continue
     cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
     if cols:
       k = t.slot.index
@@ -184,6 +196,24 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
   out_specs = tree_unflatten(out_tree, [s.to_spec() for s in sched.outputs])
   return Plan(dict(mesh), backend, tuple(rows), tuple(collectives),
               tuple(dict.fromkeys(warnings)), in_specs, out_specs, name)
+
+
+def _caused_by(atom: Any, t: Transfer, annotations: dict[Value, Op],
+               prop: Propagation) -> Op | None:
+  """The annotation whose request a transfer carries out: it reads the annotation's result in
+  the sharding the annotation asks for (annotations move nothing themselves; their readers do)."""
+  op = annotations.get(atom) if isinstance(atom, Value) else None
+  if op is None or t.dst.partial or t.dst.dims != prop.shardings[atom].dims:
+    return None
+  return op
+
+
+def _attach(rows: list[PlanRow], op: Op, collectives: tuple[Collective, ...]) -> None:
+  """Adds ``collectives`` to the row of ``op``."""
+  for k, row in enumerate(rows):
+    if row.index == op.index:
+      rows[k] = dataclasses.replace(row, collectives=row.collectives + collectives)
+      return
 
 
 def _trips(program: Program) -> dict[int, int | None]:

@@ -17,6 +17,7 @@ from typing import Mapping
 from spmd.partition.execution import Execution, plan_execution
 from spmd.partition.halo import Halo, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
+from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -63,7 +64,7 @@ class ScheduledOp:
   transfers: list[Transfer]                      # run before the op
   reads: tuple[TensorSharding | None, ...]       # per input (None: a literal)
   writes: tuple[TensorSharding, ...]             # per output
-  execution: Execution | None = None             # None for control flow
+  execution: Execution | None = None             # None for control flow and annotations
   regions: tuple[RegionSchedule, ...] = ()
   halo_hops: tuple[tuple[Halo, int], ...] = ()   # ppermutes of halo pieces not received before
 
@@ -75,6 +76,7 @@ class Schedule:
   ops: list[ScheduledOp]
   exit: list[Transfer]
   outputs: tuple[TensorSharding, ...]
+  aliases: dict[Value, Value]                    # an annotation's result -> the value it names
 
   def walk(self) -> list[ScheduledOp]:
     """Every scheduled op, region ops right after their owner."""
@@ -90,6 +92,7 @@ class _Scheduler:
       self.by_op.setdefault(c.op.index, []).append(c)
     self.partial_ok = _partial_ok(program, self.by_op)
     self.forms: dict[Value, list[TensorSharding]] = {}
+    self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
 
@@ -130,6 +133,9 @@ class _Scheduler:
     constraints = self.by_op[op.index]
     if op.regions:
       return self.control(op, constraints)
+    info = describe(op.eqn.primitive)
+    if info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
+      return self.annotation(op)
     (c,) = constraints
     ex = plan_execution(c, self.shardings, self.mesh, self.price, self.wire)
     reads, writes = list(ex.needs), list(ex.produces)
@@ -153,6 +159,15 @@ class _Scheduler:
         self.halo_pieces.add(key)
         new_hops.append((halo, nbytes))
     return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex, (), tuple(new_hops))
+
+  def annotation(self, op: Op) -> ScheduledOp:
+    """An annotation moves nothing itself: its result is another name for its operand, sharing
+    its forms, and its readers reshard (so a value is resharded once however many annotations
+    and readers it has, as XLA does)."""
+    source, result = op.inputs[0], op.outputs[0]
+    self.forms[result] = self.forms[source]  # the same list: a form made for one serves both
+    self.aliases[result] = self.aliases.get(source, source)
+    return ScheduledOp(op, [], (None,), (self.shardings[result],))
 
   def _order(self, axis: str) -> int:
     return list(self.mesh).index(axis)
@@ -286,5 +301,5 @@ def schedule(program: Program, constraints: list[Constraint],
   for k, (x, want) in enumerate(zip(program.outputs, outputs)):
     if isinstance(x, Value):
       s.acquire(x, want, exit_transfers, Slot("output", k))
-  return Schedule(inputs, entry, ops, exit_transfers, outputs)
+  return Schedule(inputs, entry, ops, exit_transfers, outputs, s.aliases)
 
