@@ -257,7 +257,7 @@ class Partitioned:
     def fwd(*leaves: Any) -> tuple:
       # Under an eager jax.grad the primals are concrete: one committed with another sharding
       # than the program's input is placed first (a traced call cannot see its sharding).
-      placed = [jax.device_put(x, NamedSharding(self.mesh, spec))
+      placed = [jax.device_put(x, NamedSharding(with_auto_axes(self.mesh), spec))
                 if _committed_spec(x, self.mesh) not in (None, spec)
                 and s.divides(v.shape, self._mesh_shape) else x
                 for x, spec, s, v in zip(leaves, in_specs, analysis.schedule.inputs,
