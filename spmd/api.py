@@ -190,11 +190,11 @@ class Partitioned:
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
                 for name, spec in zip(leaf_names, requested)]
-      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, leaves, labels, given,
+      self._cache[key] = self._build(args, statics, dyn_idx, in_tree, avals, labels, given,
                                      arrivals)
     return self._cache[key], leaves
 
-  def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, leaves: list,
+  def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, avals: tuple,
              leaf_names: list[str], given: tuple, arrivals: tuple) -> _Compiled:
     out_store: list[Any] = []
 
@@ -209,8 +209,7 @@ class Partitioned:
     # Traced under the mesh (its own axis types: bare-spec constraints and Explicit-mode
     # ``out_sharding=`` trace) on avals without shardings: a committed argument's sharding is a
     # spec like any other, not a type JAX would propagate into the ops' params.
-    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                 for a in map(jax.typeof, leaves)]
+    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
       closed = jax.make_jaxpr(flat_fun)(*unsharded)
     out_tree = out_store[-1]

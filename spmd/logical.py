@@ -96,6 +96,7 @@ def _box_spec(item: Any, variable: Any) -> P | None:
   if isinstance(item, flax_meta.AxisMetadata) and hasattr(item, "get_partition_spec"):
     return item.get_partition_spec()
   if variable and isinstance(item, variable):
-    names = item.get_metadata().get("out_sharding") or item.get_metadata().get("sharding")
+    metadata = item.get_metadata()
+    names = metadata.get("out_sharding") or metadata.get("sharding")
     return P(*names) if names else None
   return None

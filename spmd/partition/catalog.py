@@ -72,9 +72,11 @@ REPLICATED: dict[str, str] = {
 }
 
 CONTROL_FLOW = {
-    "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan),
-    "while": ControlFlow(("cond_jaxpr", "body_jaxpr"), control.while_, control.lower_while),
-    "cond": ControlFlow(("branches",), control.cond, control.lower_cond),
+    "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan, lambda p: p["length"]),
+    "while": ControlFlow(("cond_jaxpr", "body_jaxpr"), control.while_, control.lower_while,
+                         lambda p: None),  # a runtime trip count
+    "cond": ControlFlow(("branches",), control.cond, control.lower_cond,
+                        lambda p: 1),  # one branch runs (the plan counts each branch's)
 }
 # Calls whose body is inlined (sharding decisions see through them): the param holding it.
 INLINED_CALLS = {

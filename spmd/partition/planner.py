@@ -232,10 +232,11 @@ def _trips(program: Program) -> dict[int, int | None]:
 
 
 def _inner_trips(op: Op, trips: int | None) -> int | None:
-  """How often the regions of ``op`` run per call (a cond's branch: at most once each time)."""
-  if not op.regions or trips is None or op.primitive == "cond":
+  """How often the regions of ``op`` run per call (its record says how often per op)."""
+  if not op.regions or trips is None:
     return trips
-  return trips * op.params["length"] if "length" in op.params else None
+  per_op = describe(op.eqn.primitive).control.trips(op.params)
+  return None if per_op is None else trips * per_op
 
 
 def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:

@@ -51,6 +51,7 @@ class ControlFlow:
   bodies: tuple[str, ...]                    # params holding the region jaxprs, in region order
   links: Callable[["Op"], list]              # -> rules.control.Link per tied group of tensors
   lower: Callable[[Any, Any, list], list]    # (interpreter, scheduled op, operands) -> results
+  trips: Callable[[dict], int | None]        # how often the regions run per op (None: unknown)
 
 
 @dataclass(frozen=True)
