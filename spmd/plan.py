@@ -1,11 +1,37 @@
 """Plan: what the partitioned program does, before anything runs, and why."""
 from __future__ import annotations
 
+import html
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from spmd.partition.sharding import Axes
+
+
+@dataclass(frozen=True)
+class HaloExchange:
+  """One ppermute of a halo exchange along dim ``dim`` of operand ``operand``, split in
+  ``shards`` blocks: each block receives ``rows`` rows from the block ``hop`` places before it
+  (``side`` "left": the sender's last rows) or after it ("right": its first rows); "mirror":
+  block i receives block ``shards - 1 - i`` whole (``rev``)."""
+
+  operand: int
+  dim: int
+  shards: int
+  side: str
+  hop: int
+  rows: int
+
+  @property
+  def pairs(self) -> tuple[tuple[int, int], ...]:
+    """(sender, receiver) blocks, as halo.py permutes them."""
+    n, k = self.shards, self.hop
+    if self.side == "mirror":
+      return tuple((j, n - 1 - j) for j in range(n))
+    if self.side == "left":
+      return tuple((j, j + k) for j in range(n - k))
+    return tuple((j, j - k) for j in range(k, n))
 
 
 @dataclass(frozen=True)
@@ -16,7 +42,7 @@ class Collective:
   formulas), priced for the backend compiled for; ``op`` is the op index it belongs to (None at
   the program boundary); ``tensor`` says which tensor moves (``"operand 1"``, ``"output 2"``);
   ``trips`` is how often it runs per call (the lengths of the scans around it; None inside a
-  while loop, whose trip count is a runtime value).
+  while loop, whose trip count is a runtime value); ``halo`` describes a halo exchange.
   """
 
   kind: str
@@ -30,6 +56,7 @@ class Collective:
   before: str
   after: str
   trips: int | None = 1
+  halo: HaloExchange | None = None
 
   @property
   def step_bytes(self) -> int:
@@ -38,12 +65,14 @@ class Collective:
 
   def describe(self) -> str:
     times = "" if self.trips == 1 else " x ?" if self.trips is None else f" x {self.trips}"
-    return f"{self.kind}({','.join(self.axes)}) {_fmt_bytes(self.bytes)}{times}"
+    return f"{self.kind}({','.join(self.axes)}) {fmt_bytes(self.bytes)}{times}"
 
 
 @dataclass(frozen=True)
 class PlanRow:
-  """One op of the program as ``explain()`` shows it."""
+  """One op of the program as ``explain()`` shows it; ``scope`` is the layer it was traced in
+  (flax module path or ``jax.named_scope``s), ``backward`` says it is part of a transposed
+  (gradient) computation, ``annotated`` that an annotation fixed its result's sharding."""
 
   index: int
   primitive: str
@@ -53,6 +82,59 @@ class PlanRow:
   specs: tuple[str, ...]
   origins: tuple[str, ...]
   collectives: tuple[Collective, ...]
+  scope: tuple[str, ...] = ()
+  backward: bool = False
+  annotated: bool = False
+
+
+@dataclass(frozen=True)
+class Group:
+  """The ops of one layer (``layer``) or, outside any layer, of one source line, and what they
+  move."""
+
+  name: str
+  rows: tuple[PlanRow, ...]
+  layer: bool
+
+  @property
+  def collectives(self) -> tuple[Collective, ...]:
+    return tuple(c for r in self.rows for c in r.collectives)
+
+  def step_bytes(self, backward: bool | None = None) -> int:
+    """Bytes per call of its collectives; ``backward`` True / False: of the gradient / forward
+    ops only."""
+    return sum(c.step_bytes for r in self.rows if backward in (None, r.backward)
+               for c in r.collectives)
+
+
+@dataclass(frozen=True)
+class Table:
+  """Rows of cells for display; ``numeric`` columns align right."""
+
+  header: tuple[str, ...]
+  rows: tuple[tuple[str, ...], ...]
+  numeric: frozenset[int] = frozenset()
+
+  def text(self, indent: str = "") -> list[str]:
+    table = (self.header,) + self.rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(self.header))]
+    last = len(self.header) - 1
+    return [indent + "  ".join(
+        c.rjust(w) if i in self.numeric else c if i == last else c.ljust(w)
+        for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table]
+
+  def html(self) -> str:
+    cell = lambda tag, i, c: (  # noqa: E731
+        f'<{tag} style="text-align:{"right" if i in self.numeric else "left"}">'
+        f"{html.escape(c)}</{tag}>")
+    head = "".join(cell("th", i, c) for i, c in enumerate(self.header))
+    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>"
+                   for r in self.rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+SMALL = 40         # programs of at most this many rows show their op table by default
+MAX_GROUPS = 12    # the summary by layer shows at most this many layers
 
 
 @dataclass(frozen=True)
@@ -90,32 +172,95 @@ class Plan:
     (inside a while loop, once: see ``warnings``)."""
     return sum(c.step_bytes for c in self.collectives)
 
-  def explain(self) -> str:
-    mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-    lines = [f"spmd plan for {self.name} on mesh ({mesh}), backend={self.backend!r}"]
-    header = ("#", "op", "source", "shape", "sharding", "from", "collectives")
-    table = [header]
+  def groups(self, depth: int | None = None) -> tuple[Group, ...]:
+    """The rows by layer, in program order: ops traced in a scope (a flax module, a
+    ``jax.named_scope``) by its first ``depth`` names, other ops by source line. ``None``: the
+    deepest level with at most MAX_GROUPS layers (at least 1)."""
+    if depth is None:
+      deepest = max((len(r.scope) for r in self.rows), default=0)
+      depth = next((d for d in range(deepest, 1, -1)
+                    if len({r.scope[:d] for r in self.rows if r.scope}) <= MAX_GROUPS), 1)
+    grouped: dict[tuple[str, bool], list[PlanRow]] = {}
+    for r in self.rows:
+      key = ("/".join(r.scope[:depth]), True) if r.scope else (r.source, False)
+      grouped.setdefault(key, []).append(r)
+    return tuple(Group(name, tuple(rows), layer) for (name, layer), rows in grouped.items())
+
+  def kind_table(self) -> Table:
+    """Collectives per device by kind: how many, bytes in the program and per call."""
+    kinds = sorted({c.kind for c in self.collectives})
+    rows = [(kind, str(sum(c.kind == kind for c in self.collectives)),
+             fmt_bytes(sum(c.bytes for c in self.collectives if c.kind == kind)),
+             fmt_bytes(sum(c.step_bytes for c in self.collectives if c.kind == kind)))
+            for kind in kinds]
+    rows.append(("total", str(len(self.collectives)), fmt_bytes(self.total_bytes),
+                 fmt_bytes(self.step_bytes)))
+    return Table(("collective", "count", "in program", "per call"), tuple(rows),
+                 frozenset({1, 2, 3}))
+
+  def group_table(self, depth: int | None = None) -> Table:
+    """Per layer (``groups``): ops, collectives by kind, bytes per call forward and backward.
+    At most MAX_GROUPS rows: of the layers and the source lines that move bytes, those that move
+    the most; the rest summed in a last row."""
+    groups = self.groups(depth)
+    candidates = [g for g in groups if g.layer or g.step_bytes()]
+    shown = {g.name for g in sorted(candidates, key=lambda g: -g.step_bytes())[:MAX_GROUPS]}
+    rows = [_group_row(g.name, [g]) for g in groups if g.name in shown]
+    rest = [g for g in groups if g.name not in shown]
+    if rest:
+      rows.append(_group_row(f"{len(rest)} more", rest))
+    return Table(("layer", "ops", "collectives", "forward", "backward"), tuple(rows),
+                 frozenset({1, 3, 4}))
+
+  def op_table(self) -> Table:
+    """Every op: source, result shapes, shardings, where each came from, its collectives."""
+    table = []
     for row in self.rows:
       comm = "; ".join(c.describe() for c in row.collectives) or "-"
+      op = "  " * row.depth + row.primitive
       for k, (shape, spec, origin) in enumerate(zip(row.shapes, row.specs, row.origins)):
         first = k == 0
-        table.append((str(row.index) if first else "",
-                      ("  " * row.depth + row.primitive) if first else "",
+        table.append((str(row.index) if first else "", op if first else "",
                       row.source if first else "", shape, spec, origin, comm if first else ""))
       if not row.shapes:
-        table.append((str(row.index), "  " * row.depth + row.primitive, row.source, "", "", "",
-                      comm))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
-    for r in table:
-      lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        table.append((str(row.index), op, row.source, "", "", "", comm))
+    return Table(("#", "op", "source", "shape", "sharding", "from", "collectives"), tuple(table))
+
+  def _show(self, full: bool | None) -> tuple[bool, bool]:
+    """(summary, op table): a small program shows its table, a large one its summary."""
+    small = len(self.rows) <= SMALL
+    return full is False or not small, full if full is not None else small
+
+  def _title(self) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+    return f"spmd plan for {self.name} on mesh ({mesh}), backend={self.backend!r}"
+
+  def _totals(self) -> str:
     counts = Counter(c.kind for c in self.collectives)
     totals = self.bytes_by_kind()
-    summary = ", ".join(f"{kind} x{counts[kind]} = {_fmt_bytes(totals[kind])}"
+    summary = ", ".join(f"{kind} x{counts[kind]} = {fmt_bytes(totals[kind])}"
                         for kind in sorted(totals)) or "none"
-    total = f"total {_fmt_bytes(self.total_bytes)}"
+    total = f"total {fmt_bytes(self.total_bytes)}"
     if self.step_bytes != self.total_bytes:
-      total += f" in the program, {_fmt_bytes(self.step_bytes)} per call (loop trips counted)"
-    lines.append(f"collectives per device: {summary}; {total}")
+      total += f" in the program, {fmt_bytes(self.step_bytes)} per call (loop trips counted)"
+    return f"collectives per device: {summary}; {total}"
+
+  def explain(self, full: bool | None = None) -> str:
+    """The plan as text. ``full=None``: the op table for a program of at most SMALL rows, else
+    a summary (collectives by kind, bytes by layer); ``full=True`` adds the op table to a
+    summary, ``full=False`` shows only the summary. Totals and warnings end it."""
+    summary, table = self._show(full)
+    lines = [self._title()]
+    if summary:
+      lines.append(f"{len(self.rows)} ops, {len(self.collectives)} collectives; per device:")
+      lines += self.kind_table().text("  ")
+      lines.append("by layer (bytes per call per device):")
+      lines += self.group_table().text("  ")
+      if not table:
+        lines.append("op table: explain(full=True)")
+    if table:
+      lines += self.op_table().text()
+    lines.append(self._totals())
     lines.extend(f"warning: {w}" for w in self.warnings)
     return "\n".join(lines)
 
@@ -125,8 +270,30 @@ class Plan:
   def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython / notebooks
     p.text(self.explain())
 
+  def _repr_html_(self) -> str:
+    """Jupyter: the summary tables, the op table folded (open for a small program)."""
+    summary, table = self._show(None)
+    parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
+    if summary:
+      parts += ["<p>collectives per device</p>", self.kind_table().html(),
+                "<p>by layer (bytes per call per device)</p>", self.group_table().html()]
+    parts.append(f"<details{' open' if table else ''}><summary>op table ({len(self.rows)} rows)"
+                 f"</summary>{self.op_table().html()}</details>")
+    parts.append(f"<p>{html.escape(self._totals())}</p>")
+    parts += [f"<p>warning: {html.escape(w)}</p>" for w in self.warnings]
+    return "\n".join(parts)
 
-def _fmt_bytes(n: int) -> str:
+
+def _group_row(name: str, groups: list[Group]) -> tuple[str, ...]:
+  kinds = Counter(c.kind for g in groups for c in g.collectives)
+  return (name, str(sum(len(g.rows) for g in groups)),
+          ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "-",
+          fmt_bytes(sum(g.step_bytes(False) for g in groups)),
+          fmt_bytes(sum(g.step_bytes(True) for g in groups)))
+
+
+def fmt_bytes(n: float) -> str:
+  """``n`` bytes in B, KiB, MiB or GiB."""
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

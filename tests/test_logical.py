@@ -79,7 +79,7 @@ def test_training_step_from_get_partition_spec_and_rules(mesh, setup):
   assert_trees_match(got, step(params, opt_state, x, labels), rtol=1e-4, atol=1e-5)
   kernel = plan.in_specs[0]["Dense_0"]["kernel"]
   assert kernel == P(None, "model")
-  assert "as P('embed', 'mlp')" in plan.explain()  # the logical names beside the mesh axes
+  assert "as P('embed', 'mlp')" in plan.explain(full=True)  # logical names beside mesh axes
 
 
 def test_annotations_with_logical_names(mesh):

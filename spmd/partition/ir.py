@@ -74,6 +74,7 @@ class Op:
   source: str
   eqn: Any
   regions: tuple[Region, ...] = ()
+  name_stack: Any = source_info_util.NameStack()  # the whole stack, enclosing calls' included
 
   def __repr__(self) -> str:
     return f"op{self.index}:{self.primitive}"
@@ -106,6 +107,15 @@ def depth_first(items: list, children: Any = lambda item: [r.ops for r in item.r
   return out
 
 
+def layer(op: Op) -> tuple[tuple[str, ...], bool]:
+  """The scopes (flax module path, ``jax.named_scope``) ``op`` was traced in, and whether it is
+  in a transposed (backward) computation."""
+  stack = op.name_stack.stack
+  scopes = tuple(e.name for e in stack if isinstance(e, source_info_util.Scope))
+  return scopes, any(isinstance(e, source_info_util.Transform) and e.name == "transpose"
+                     for e in stack)
+
+
 def source_line(eqn: Any) -> str:
   """``file:line:col (function)`` of the user's code, the file relative to the working dir."""
   text = source_info_util.summarize(eqn.source_info)
@@ -123,10 +133,11 @@ class _Builder:
     self.counter = itertools.count()
     self.consts: list[Value] = []
 
-  def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None,
-             call_site: str = "") -> Region:
+  def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None, call_site: str = "",
+             outer: Any = source_info_util.NameStack()) -> Region:
     """Builds a region from a closed jaxpr; with ``inputs`` its invars are bound to those atoms.
-    Ops with no user frame of their own (inside library functions) take ``call_site``."""
+    Ops with no user frame of their own (inside library functions) take ``call_site``; every
+    op's name stack continues ``outer``, the stack of the equation that holds the region."""
     jaxpr, consts = open_jaxpr(closed)
     env: dict[Any, Atom] = {}
     for var, c in zip(jaxpr.constvars, consts):
@@ -135,7 +146,7 @@ class _Builder:
     for var, atom in zip(jaxpr.invars, inputs if inputs is not None else region_inputs):
       env[var] = atom
     ops: list[Op] = []
-    self._eqns(jaxpr.eqns, env, ops, call_site)
+    self._eqns(jaxpr.eqns, env, ops, call_site, outer)
     return Region(region_inputs, ops, tuple(_read(env, v) for v in jaxpr.outvars))
 
   def _const(self, var: Any, array: Any) -> Value:
@@ -143,26 +154,27 @@ class _Builder:
     self.consts.append(value)
     return value
 
-  def _eqns(self, eqns: list, env: dict, ops: list[Op], call_site: str) -> None:
+  def _eqns(self, eqns: list, env: dict, ops: list[Op], call_site: str, outer: Any) -> None:
     for eqn in eqns:
       inputs = tuple(_read(env, v) for v in eqn.invars)
       info = describe(eqn.primitive)
       source = source_line(eqn) or call_site
+      stack = outer + eqn.source_info.name_stack
       if info is not None and info.inline in eqn.params:
         body = eqn.params[info.inline]
         inner_inputs = inputs[len(inputs) - len(open_jaxpr(body)[0].invars):]
-        inlined = self.region(body, inner_inputs, source)
+        inlined = self.region(body, inner_inputs, source, stack)
         ops.extend(inlined.ops)
         for var, atom in zip(eqn.outvars, inlined.outputs):
           env[var] = atom
         continue
       outputs = tuple(Value(v.aval) for v in eqn.outvars)
       op = Op(next(self.counter), eqn.primitive.name, dict(eqn.params), inputs, outputs, source,
-              eqn)
+              eqn, name_stack=stack)
       ops.append(op)
       if info is not None and info.control is not None:
         closed = [c for p in info.control.bodies for c in _as_list(eqn.params[p])]
-        op.regions = tuple(self.region(c, call_site=source) for c in closed)
+        op.regions = tuple(self.region(c, call_site=source, outer=stack) for c in closed)
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
 

@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
-from spmd.partition.halo import Halo
-from spmd.partition.ir import Op, Program, Value, depth_first
+from spmd.partition.halo import Halo, Hop
+from spmd.partition.ir import Op, Program, Value, depth_first, layer
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
 from spmd.partition.reshard import ReshardStep
@@ -20,7 +20,7 @@ from spmd.partition.sharding import MeshShape, TensorSharding
 from spmd.partition.wire import wire_for
 from jax.tree_util import tree_unflatten
 
-from spmd.plan import Collective, Plan, PlanRow
+from spmd.plan import Collective, HaloExchange, Plan, PlanRow
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
           _collective(step, owner, t, outer) for step in t.steps if step.communicates)
     by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
                           for step in t.steps if step.communicates]
-    by_op[s.op.index] += [_halo_collective(h, b, s, outer) for h, b in s.halo_hops]
+    by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, prop.shardings))
   for op in program.all_ops():
@@ -248,11 +248,14 @@ def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None
                     str(step.before), str(step.after), trips)
 
 
-def _halo_collective(h: Halo, nbytes: int, s: ScheduledOp, trips: int | None) -> Collective:
+def _halo_collective(h: Halo, hop: Hop, nbytes: int, s: ScheduledOp,
+                     trips: int | None) -> Collective:
   x = s.op.inputs[h.operand]
+  side, distance, rows = hop[4:]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips)
+                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
+                    HaloExchange(h.operand, h.dim, h.shards, side, distance, rows))
 
 
 def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
@@ -309,10 +312,12 @@ def _origin_text(origin: Origin, producers: dict[Value, str], owner: Op | None =
 
 def _row(op: Op, depth: int, prop: Propagation, producers: dict[Value, str],
          collectives: Sequence[Collective]) -> PlanRow:
+  scope, backward = layer(op)
   return PlanRow(op.index, op.primitive, op.source, depth, tuple(_shape(v) for v in op.outputs),
                  tuple(str(prop.shardings[v]) for v in op.outputs),
                  tuple(_origin_text(prop.origins[v], producers, op) for v in op.outputs),
-                 tuple(collectives))
+                 tuple(collectives), scope, backward,
+                 any(prop.origins[v].kind == "annotation" for v in op.outputs))
 
 
 def _shape(atom: Any) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from spmd.partition.execution import Execution, plan_execution
-from spmd.partition.halo import Halo, halo_piece
+from spmd.partition.halo import Halo, Hop, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
@@ -66,7 +66,7 @@ class ScheduledOp:
   writes: tuple[TensorSharding, ...]             # per output
   execution: Execution | None = None             # None for control flow and annotations
   regions: tuple[RegionSchedule, ...] = ()
-  halo_hops: tuple[tuple[Halo, int], ...] = ()   # ppermutes of halo pieces not received before
+  halo_hops: tuple[tuple[Halo, Hop, int], ...] = ()  # ppermutes of pieces not received before
 
 
 @dataclass(eq=False)
@@ -157,7 +157,7 @@ class _Scheduler:
       key = halo_piece(op.inputs[halo.operand], reads[halo.operand], chain, hop)
       if key not in self.halo_pieces:
         self.halo_pieces.add(key)
-        new_hops.append((halo, nbytes))
+        new_hops.append((halo, hop, nbytes))
     return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex, (), tuple(new_hops))
 
   def annotation(self, op: Op) -> ScheduledOp:
