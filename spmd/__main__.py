@@ -1,4 +1,5 @@
-"""Command line: ``python -m spmd demo``, also installed as the ``spmd`` console script."""
+"""Command line: ``python -m spmd demo`` and ``python -m spmd launch``, also installed as the
+``spmd`` console script."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,11 @@ def demo(args: argparse.Namespace) -> int:
   return run_demo()
 
 
+def launch(args: argparse.Namespace) -> int:
+  from spmd.launch import launch as run
+  return run(args.script, args.args, args.num_processes, args.cpu_devices, args.timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="spmd", description="GSPMD-style partitioning for JAX.")
   commands = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +50,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   demo_parser.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                            help="simulate N CPU devices even where accelerators exist")
   demo_parser.set_defaults(run=demo)
+  launch_parser = commands.add_parser(
+      "launch", help="run a script in N local processes joined by jax.distributed (simulated "
+      "CPU devices), as on N hosts; output prefixed [pK]")
+  launch_parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="N")
+  launch_parser.add_argument("--cpu-devices", type=int, default=1, metavar="K",
+                             help="simulated CPU devices per process (default 1)")
+  launch_parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                             help="stop every process after this long (exit code 124)")
+  launch_parser.add_argument("script")
+  launch_parser.add_argument("args", nargs=argparse.REMAINDER)
+  launch_parser.set_defaults(run=launch)
   args = parser.parse_args(argv)
   return args.run(args)
 

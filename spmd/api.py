@@ -100,6 +100,7 @@ class Partitioned:
         return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
       if key is not None:
         self._dispatch[key] = compiled
+    leaves = self._placed(compiled.analysis, leaves)
     return tree_unflatten(compiled.out_tree, compiled.fn(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -114,7 +115,7 @@ class Partitioned:
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
     compiled, leaves = self._compile(args, kwargs)
-    return compiled.fn.lower(*leaves)
+    return compiled.fn.lower(*self._placed(compiled.analysis, leaves))
 
   # --- NNX modules as arguments ----------------------------------------------------------------
 
@@ -261,7 +262,7 @@ class Partitioned:
                 and s.divides(v.shape, self._mesh_shape) else x
                 for x, spec, s, v in zip(leaves, in_specs, analysis.schedule.inputs,
                                          program.inputs)]
-      return fn(*placed), leaves
+      return fn(*self._placed(analysis, placed)), leaves
 
     def bwd(leaves: tuple, cts: tuple) -> tuple:
       if not backward:
@@ -281,6 +282,17 @@ class Partitioned:
 
     call.defvjp(fwd, bwd)
     return call
+
+  def _placed(self, analysis: Analysis, leaves: Sequence[Any]) -> Sequence[Any]:
+    """On a mesh spanning several processes, numpy arguments as global arrays: each process
+    holds the whole value (as a script written for one process computes it) and places the
+    shards its own devices hold, padded where uneven (``jax.jit`` takes numpy there only
+    replicated)."""
+    if not self.mesh.is_multi_process:
+      return leaves
+    mesh = with_auto_axes(self.mesh)
+    return [_global_array(x, s, v.aval.dtype, mesh) if isinstance(x, np.ndarray) and x.ndim
+            else x for x, s, v in zip(leaves, analysis.schedule.inputs, analysis.program.inputs)]
 
   # --- specs -----------------------------------------------------------------------------------
 
@@ -401,6 +413,16 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None
+
+
+def _global_array(x: np.ndarray, s: TensorSharding, dtype: Any, mesh: Mesh) -> jax.Array:
+  """The global array of value ``x``, sharded as ``s`` (uneven dims padded at the end), built
+  from this process's copy."""
+  shape = mesh_shape(mesh)
+  padded = [n * s.shards(d, shape) for d, n in enumerate(s.local_shape(x.shape, shape))]
+  x = np.pad(np.asarray(x, dtype), [(0, p - n) for n, p in zip(x.shape, padded)])
+  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, s.to_spec()),
+                                      lambda index: x[index])
 
 
 def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, list | None]:
