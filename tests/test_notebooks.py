@@ -10,7 +10,7 @@ CELL_TIMEOUT = 120  # seconds; each notebook takes well under a minute on a 2-co
 
 
 def test_notebooks_exist_and_are_stored_without_outputs():
-  assert [p.name[:2] for p in NOTEBOOKS] == ["01", "03", "04"]
+  assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04"]
   for path in NOTEBOOKS:
     cells = nbformat.read(path, as_version=4).cells
     assert all(not c.get("outputs") and c.get("execution_count") is None
