@@ -53,9 +53,8 @@ class Layout(Picture):
     """A line per block: devices, rows per dim, padding."""
     lines = [_title(self)]
     for b in self.blocks:
-      rows = ", ".join(f"{a}:{z}" for a, z in b.valid)
       pad = ", ".join(map(str, b.padding)) if any(b.padding) else ""
-      lines.append(f"devices {_ids(b.devices)}: [{rows}]" + (f" + padding ({pad})" if pad else ""))
+      lines.append(f"devices {_ids(b.devices)}: {_rows(b)}" + (f" + padding ({pad})" if pad else ""))
     return "\n".join(lines)
 
   def __str__(self) -> str:
@@ -122,7 +121,7 @@ def _ids(devices: tuple[int, ...]) -> str:
   return ",".join(map(str, devices))
 
 
-CELL_W, CELL_H, TOP = 132, 58, 28
+CELL_H, TOP = 58, 28
 
 
 def _draw(lay: Layout) -> str:
@@ -131,24 +130,29 @@ def _draw(lay: Layout) -> str:
   rank = len(lay.shape)
   counts = [max(b.index[d] for b in lay.blocks) + 1 for d in range(rank)]
   cols = counts[-1] if rank else 1
+  cell_w = max([132.0] + [svg.width_of(_rows(b)) + 12 for b in lay.blocks])
   body = [svg.text(4, 16, _title(lay), font_weight="bold")]
   for k, b in enumerate(lay.blocks):
     row = int(np.ravel_multi_index(b.index[:-1], counts[:-1])) if rank > 1 else 0
     col = b.index[-1] if rank else 0
-    x, y = 4 + col * CELL_W, TOP + row * CELL_H
-    body.append(_cell(b, x, y, svg.PALETTE[k % len(svg.PALETTE)], rank))
+    x, y = 4 + col * cell_w, TOP + row * CELL_H
+    body.append(_cell(b, x, y, cell_w - 4, svg.PALETTE[k % len(svg.PALETTE)], rank))
   rows = math.prod(counts[:-1]) if rank > 1 else 1
-  width = max(8 + cols * CELL_W, svg.width_of(_title(lay)) + 8)
+  width = max(8 + cols * cell_w, svg.width_of(_title(lay)) + 8)
   return svg.document(width, TOP + rows * CELL_H + 6, body)
 
 
-def _cell(b: Block, x: float, y: float, fill: str, rank: int) -> str:
-  w, h = CELL_W - 4, CELL_H - 4
+def _rows(b: Block) -> str:
+  return "[" + ", ".join(f"{a}:{z}" for a, z in b.valid) + "]"
+
+
+def _cell(b: Block, x: float, y: float, w: float, fill: str, rank: int) -> str:
+  h = CELL_H - 4
   sizes = [z - a for a, z in b.ranges]
   kept = [z - a for a, z in b.valid]
   right = w * b.padding[-1] / sizes[-1] if rank else 0.0
   down = h * (1 - math.prod(k / n for k, n in zip(kept[:-1], sizes[:-1]))) if rank > 1 else 0.0
-  rows = "[" + ", ".join(f"{a}:{z}" for a, z in b.valid) + "]"
+  rows = _rows(b)
   parts = [svg.rect(x, y, w, h, fill, title=f"devices {_ids(b.devices)}: {rows}", stroke="#555")]
   if right:
     parts.append(svg.rect(x + w - right, y, right, h, svg.PADDING_FILL, class_="padding"))

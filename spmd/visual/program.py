@@ -122,7 +122,9 @@ def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
       parts.append(svg.arrow(x0, level, x1, level, class_="halo-arrow", data_from=src,
                              data_to=dst))
   end = x + shards * (box + gap)
-  note = f"dim {h.dim} {h.side} {h.rows} rows" + (f" (hop {h.hop})" if h.hop > 1 else "")
+  source = {"left": f"{h.hop} block(s) before", "right": f"{h.hop} block(s) after",
+            "mirror": "the mirrored block"}[h.side]
+  note = f"dim {h.dim}: {h.rows} rows from {source}"
   parts.append(svg.text(end, y + 15, note))
   return (svg.group(parts, class_="halo", data_dim=h.dim, data_shards=h.shards),
           end + svg.width_of(note) + 8)
