@@ -1,9 +1,9 @@
 """Two processes of 4 simulated CPU devices each, started by ``python -m spmd launch``, run a
 partitioned Transformer training step on their 8-device global mesh: it must equal the same
-step run in this one process on 8 devices, and the unpartitioned step.
+step run in this one process on 8 devices.
 
 Run as a script (``python -m spmd launch -n 2 --cpu-devices 4 tests/test_multiprocess.py OUT``),
-this file is the program each process runs; process 0 saves its results to ``OUT``.
+this file is the program each process runs; process 0 saves the results to ``OUT`` (.npz).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from workloads import transformer
+from workloads import Workload, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = {"data": 2, "model": 4}
@@ -32,15 +32,34 @@ STEPS = 2
 TIMEOUT_S = 150  # the launcher's own limit; the subprocess gets a little more
 
 
-def run_steps(mesh: jax.sharding.Mesh, batch: tuple, fetch: Callable[[jax.Array], np.ndarray],
-              donate: tuple[int, ...] = ()) -> tuple[list[np.ndarray], spmd.Plan]:
-  """``STEPS`` partitioned training steps from the workload's initial params and optimizer state,
-  placed as global arrays from a callback, on ``batch``: every output of every step, fetched,
-  and the plan. Every step has the same argument shardings: one plan and one compilation."""
-  w = transformer()
+def traced_workload() -> Workload:
+  """The Transformer workload's function and specs, traced, not run (its args are abstract):
+  its jax.random initialisation compiles a program per shape, seconds each on a loaded machine."""
+  made: list[Workload] = []
+  jax.eval_shape(lambda: made.append(transformer()))
+  return made[0]
+
+
+def initial_args() -> list[np.ndarray]:
+  """Values for the workload's argument leaves, by numpy: floats in [0, 0.1) (params, and an
+  Adam state: its second moments must not be negative), ints (step count, tokens) below 8."""
+  rng = np.random.default_rng(0)
+  return [rng.uniform(0, 0.1, x.shape).astype(x.dtype) if jax.numpy.issubdtype(x.dtype, np.floating)
+          else rng.integers(0, 8, x.shape).astype(x.dtype)
+          for x in jax.tree.leaves(traced_workload().args)]
+
+
+def run_steps(mesh: jax.sharding.Mesh, args: list[np.ndarray], batch: tuple,
+              fetch: Callable[[jax.Array], np.ndarray], donate: tuple[int, ...] = ()
+              ) -> tuple[list[np.ndarray], spmd.Plan]:
+  """``STEPS`` partitioned training steps from the state in ``args`` (the workload's arguments'
+  leaves), placed as global arrays from a callback, on ``batch``: every output of every step,
+  fetched, and the plan. Every step has the same argument shardings: one plan, one compilation."""
+  w = traced_workload()
   place = lambda spec, x: jax.make_array_from_callback(  # noqa: E731
-      x.shape, NamedSharding(mesh, spec), lambda index: np.asarray(x)[index])
-  state = jax.tree.map(place, w.in_specs[:2], w.args[:2], is_leaf=lambda s: isinstance(s, P))
+      x.shape, NamedSharding(mesh, spec), lambda index: x[index])
+  state = jax.tree.unflatten(jax.tree.structure(w.args), args)[:2]
+  state = jax.tree.map(place, w.in_specs[:2], state, is_leaf=lambda s: isinstance(s, P))
   step = spmd.partition(w.fn, mesh=mesh, in_specs=w.in_specs, donate_argnums=donate)
   plan = step.plan(*state, *batch)
   outs = []
@@ -57,11 +76,12 @@ def collectives(plan: spmd.Plan) -> list:
 def child(out: str) -> None:
   """One process of the run: tokens as a global array of this process's rows, labels as numpy
   (the global value, placed by spmd), the state donated; every output is a global array on the
-  8 devices, gathered to process 0."""
+  8 devices, gathered to process 0, which saves them to ``out``."""
   from jax.experimental import multihost_utils
   assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
   mesh = spmd.make_mesh(MESH)
-  tokens, labels = map(np.asarray, transformer().args[2:])
+  args = initial_args()
+  tokens, labels = args[-2:]
   half, k = tokens.shape[0] // 2, jax.process_index()
   tokens = jax.make_array_from_process_local_data(
       NamedSharding(mesh, P("data", None)), tokens[k * half:(k + 1) * half], tokens.shape)
@@ -70,7 +90,7 @@ def child(out: str) -> None:
     assert x.sharding.device_set == set(jax.devices()), x.sharding
     return multihost_utils.process_allgather(x, tiled=True)
 
-  outs, plan = run_steps(mesh, (tokens, labels), fetch, donate=(0, 1))
+  outs, plan = run_steps(mesh, args, (tokens, labels), fetch, donate=(0, 1))
   uneven = np.arange(15 * 3, dtype=np.float32).reshape(15, 3)  # padded to 16 rows, then placed
   total = spmd.partition(lambda x: x.sum(0), mesh=mesh, in_specs=P(("data", "model")))(uneven)
   np.testing.assert_array_equal(fetch(total), uneven.sum(0))
@@ -101,7 +121,8 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
   assert proc.returncode == 0, proc.stdout[-4000:]
 
   # The one-process run equals the unpartitioned step: test_plan.py checks this workload.
-  one, plan = run_steps(spmd.make_mesh(MESH), tuple(transformer().args[2:]), np.asarray)
+  args = initial_args()
+  one, plan = run_steps(spmd.make_mesh(MESH), args, tuple(args[-2:]), np.asarray)
   with np.load(out) as saved:
     two = [saved[f"arr_{i}"] for i in range(len(saved.files))]
   assert len(two) == len(one)
