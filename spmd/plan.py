@@ -63,9 +63,14 @@ class Collective:
     """Bytes per call: ``bytes`` times ``trips`` (one iteration where the count is unknown)."""
     return self.bytes * (self.trips or 1)
 
+  @property
+  def label(self) -> str:
+    """Kind and mesh axes: ``all-reduce(model)``."""
+    return f"{self.kind}({','.join(self.axes)})"
+
   def describe(self) -> str:
     times = "" if self.trips == 1 else " x ?" if self.trips is None else f" x {self.trips}"
-    return f"{self.kind}({','.join(self.axes)}) {fmt_bytes(self.bytes)}{times}"
+    return f"{self.label} {fmt_bytes(self.bytes)}{times}"
 
 
 @dataclass(frozen=True)
@@ -124,13 +129,13 @@ class Table:
         for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table]
 
   def html(self) -> str:
-    cell = lambda tag, i, c: (  # noqa: E731
-        f'<{tag} style="text-align:{"right" if i in self.numeric else "left"}">'
-        f"{html.escape(c)}</{tag}>")
-    head = "".join(cell("th", i, c) for i, c in enumerate(self.header))
-    body = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>"
-                   for r in self.rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    def row(cells: tuple[str, ...], tag: str) -> str:
+      return "<tr>" + "".join(
+          f'<{tag} style="text-align:{"right" if i in self.numeric else "left"}">'
+          f"{html.escape(c)}</{tag}>" for i, c in enumerate(cells)) + "</tr>"
+
+    body = "".join(row(r, "td") for r in self.rows)
+    return f"<table><thead>{row(self.header, 'th')}</thead><tbody>{body}</tbody></table>"
 
 
 SMALL = 40         # programs of at most this many rows show their op table by default
@@ -187,12 +192,13 @@ class Plan:
     return tuple(Group(name, tuple(rows), layer) for (name, layer), rows in grouped.items())
 
   def kind_table(self) -> Table:
-    """Collectives per device by kind: how many, bytes in the program and per call."""
-    kinds = sorted({c.kind for c in self.collectives})
-    rows = [(kind, str(sum(c.kind == kind for c in self.collectives)),
-             fmt_bytes(sum(c.bytes for c in self.collectives if c.kind == kind)),
-             fmt_bytes(sum(c.step_bytes for c in self.collectives if c.kind == kind)))
-            for kind in kinds]
+    """Collectives per device by kind and mesh axes: how many, bytes in the program and per
+    call."""
+    by_label: dict[str, list[Collective]] = {}
+    for c in sorted(self.collectives, key=lambda c: c.label):
+      by_label.setdefault(c.label, []).append(c)
+    rows = [(label, str(len(cs)), fmt_bytes(sum(c.bytes for c in cs)),
+             fmt_bytes(sum(c.step_bytes for c in cs))) for label, cs in by_label.items()]
     rows.append(("total", str(len(self.collectives)), fmt_bytes(self.total_bytes),
                  fmt_bytes(self.step_bytes)))
     return Table(("collective", "count", "in program", "per call"), tuple(rows),
@@ -231,7 +237,7 @@ class Plan:
     small = len(self.rows) <= SMALL
     return full is False or not small, full if full is not None else small
 
-  def _title(self) -> str:
+  def title(self) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
     return f"spmd plan for {self.name} on mesh ({mesh}), backend={self.backend!r}"
 
@@ -250,7 +256,7 @@ class Plan:
     a summary (collectives by kind, bytes by layer); ``full=True`` adds the op table to a
     summary, ``full=False`` shows only the summary. Totals and warnings end it."""
     summary, table = self._show(full)
-    lines = [self._title()]
+    lines = [self.title()]
     if summary:
       lines.append(f"{len(self.rows)} ops, {len(self.collectives)} collectives; per device:")
       lines += self.kind_table().text("  ")
@@ -273,7 +279,7 @@ class Plan:
   def _repr_html_(self) -> str:
     """Jupyter: the summary tables, the op table folded (open for a small program)."""
     summary, table = self._show(None)
-    parts = [f"<p><b>{html.escape(self._title())}</b></p>"]
+    parts = [f"<p><b>{html.escape(self.title())}</b></p>"]
     if summary:
       parts += ["<p>collectives per device</p>", self.kind_table().html(),
                 "<p>by layer (bytes per call per device)</p>", self.group_table().html()]
@@ -285,7 +291,7 @@ class Plan:
 
 
 def _group_row(name: str, groups: list[Group]) -> tuple[str, ...]:
-  kinds = Counter(c.kind for g in groups for c in g.collectives)
+  kinds = Counter(c.label for g in groups for c in g.collectives)
   return (name, str(sum(len(g.rows) for g in groups)),
           ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "-",
           fmt_bytes(sum(g.step_bytes(False) for g in groups)),

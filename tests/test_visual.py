@@ -182,7 +182,8 @@ def test_explain_of_a_training_step_summarizes_by_kind_and_layer(mesh):
   assert "dot_general" not in text  # no op rows
   kinds = plan.kind_table()
   assert kinds.rows[-1][1] == str(len(plan.collectives))
-  assert {r[0] for r in kinds.rows[:-1]} == {c.kind for c in plan.collectives}
+  assert [r[0] for r in kinds.rows[:-1]] == sorted({c.label for c in plan.collectives})
+  assert any(c.axes == ("data",) for c in plan.collectives) and "all-reduce(data)" in text
   full = plan.explain(full=True)
   assert full.startswith(text.split("op table")[0]) and "dot_general" in full
   assert plan.explain(full=False) == text

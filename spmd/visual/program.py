@@ -28,7 +28,7 @@ class ProgramPicture(Picture):
     items = self.plan.groups() if self.by_layer else self.plan.rows
     draw = _layer_line if self.by_layer else _op_line
     swatch = min(max(map(svg.width_of, colors), default=0) + 12, 360)
-    body, width = [svg.text(4, 16, self.plan._title(), font_weight="bold")], 400.0
+    body, width = [svg.text(4, 16, self.plan.title(), font_weight="bold")], 400.0
     for k, item in enumerate(items):
       line, right = draw(item, 24 + k * LINE, colors, swatch)
       body.append(line)
