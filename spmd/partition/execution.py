@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd.partition.halo import (Halo, Hop, geometry, hops, plan_halo, plan_mirror,
-                                 plan_scatter_halos)
+from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo, plan_mirror,
+                                          plan_rotation, plan_scatter_halos)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import plan_reshard
@@ -31,7 +31,7 @@ class Execution:
   factor_axes: tuple[Axes, ...]
   needs: tuple[TensorSharding | None, ...]      # per operand: the sharding the op runs on
   produces: tuple[TensorSharding | None, ...]   # per result: local results (maybe partial)
-  halos: tuple[Halo, ...] = ()                  # neighbour exchanges of sharded windowed dims
+  halos: tuple[Exchange, ...] = ()                # neighbour exchanges of sharded windowed dims
 
   @property
   def partial_axes(self) -> Axes:
@@ -40,7 +40,7 @@ class Execution:
     return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                  for a in self.factor_axes[f])
 
-  def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Halo, tuple, Hop, int]]:
+  def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
     bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
     out = []
@@ -50,7 +50,7 @@ class Execution:
       shape, chain = widened.setdefault(
           h.operand, (list(self.needs[h.operand].local_shape(x.shape, mesh)), ()))
       row = math.prod(n for d, n in enumerate(shape) if d != h.dim) * wire(x.dtype)
-      out.extend((h, chain, hop, hop[-1] * row) for hop in hops(h))
+      out.extend((h, chain, hop, hop.rows * row) for hop in hops(h))
       shape[h.dim] = h.length
       widened[h.operand] = (shape, chain + (geometry(h),))
     return out
@@ -89,11 +89,13 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
   return Execution(c, axes, needs, produces, halos)
 
 
-def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Halo, ...] | None:
+def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] | None:
   """The exchanges a sharded windowed dim needs; None if gathering it moves no more."""
   if w.mode == "scatter":
     planned = plan_scatter_halos(w.dim, axes, w.window, _count(axes, mesh))
     return None if planned is None else planned[:2]
+  if w.mode == "rotate":
+    return (plan_rotation(w.operand, w.dim, axes, w.window.size, _count(axes, mesh), w.window.lo),)
   if w.mode == "reverse":
     m = plan_mirror(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
     return None if m is None else (m,)

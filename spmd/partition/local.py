@@ -18,7 +18,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
-from spmd.partition.halo import Halo, geometry, halo_piece, mirror, span
+from spmd.partition.halo import mirror, rotate, span
+from spmd.partition.halo_geometry import Exchange, geometry
 from spmd.partition.ir import Op
 from spmd.partition.primitives import describe
 from spmd.partition.rules.reduce import identity
@@ -34,7 +35,7 @@ class Local:
   writes: tuple[TensorSharding, ...]
   partial_axes: Axes  # axes of the op's sharded reduction factors: its results are partial
   mesh: MeshShape
-  halos: tuple[Halo, ...] = ()
+  halos: tuple[Exchange, ...] = ()
   received: dict = field(default_factory=dict)  # halo pieces already exchanged (schedule.py)
 
   def with_halos(self, args: list, *pad_values: Any) -> tuple[list, set[int]]:
@@ -44,11 +45,14 @@ class Local:
     chains: dict[int, tuple] = {}
     for h in self.halos:
       chain = chains.get(h.operand, ())
-      prefix = halo_piece(self.op.inputs[h.operand], self.reads[h.operand], chain, ())
       args[h.operand] = span(args[h.operand], h, shard_index(h.axes), pad_values[h.operand],
-                             self.mesh, self.received, prefix)
+                             self.mesh, self.received, self.prefix(h.operand, chain))
       chains[h.operand] = chain + (geometry(h),)
     return args, {h.dim for h in self.halos}
+
+  def prefix(self, operand: int, chain: tuple) -> tuple:
+    """What identifies the pieces received for ``operand`` widened by ``chain`` (halo.py)."""
+    return (self.op.inputs[operand], self.reads[operand], chain)
 
   def shape(self, x: Any, s: TensorSharding) -> tuple[int, ...]:
     return s.local_shape(x.aval.shape, self.mesh)
@@ -129,10 +133,17 @@ def rev(local: Local, args: list) -> list:
   """Reverses the local block after taking the mirrored shard's block along sharded dims."""
   x, chain = args[0], ()
   for m in local.halos:
-    prefix = halo_piece(local.op.inputs[0], local.reads[0], chain, ())
-    x = mirror(x, m, local.mesh, local.received, prefix)
+    x = mirror(x, m, local.mesh, local.received, local.prefix(0, chain))
     chain += (geometry(m),)
   return bind(local.op, [x])
+
+
+def roll(local: Local, args: list) -> list:
+  """Along a sharded dim each shard takes its rows from the shards they rotate from."""
+  if not local.halos:
+    return bind(local.op, args)
+  (r,) = local.halos
+  return [rotate(args[0], r, shard_index(r.axes), local.mesh, local.received, local.prefix(0, ()))]
 
 
 def concatenate(local: Local, args: list) -> list:
@@ -172,7 +183,7 @@ def select_and_scatter_add(local: Local, args: list) -> list:
   for h in local.halos:
     if h.operand == 1:
       shard = shard_index(h.axes)
-      out = lax.dynamic_slice_in_dim(out, h.block * shard - h.first_position(shard), h.block,
+      out = lax.dynamic_slice_in_dim(out, h.block * shard - h.first(shard), h.block,
                                      h.dim)
   return [out]
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
-from spmd.partition.halo import Halo, Hop
+from spmd.partition.halo_geometry import Exchange, Hop
 from spmd.partition.ir import Op, Program, Value, depth_first, layer
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
@@ -248,14 +248,13 @@ def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None
                     str(step.before), str(step.after), trips)
 
 
-def _halo_collective(h: Halo, hop: Hop, nbytes: int, s: ScheduledOp,
+def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
                      trips: int | None) -> Collective:
   x = s.op.inputs[h.operand]
-  side, distance, rows = hop[4:]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
                     f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
-                    HaloExchange(h.operand, h.dim, h.shards, side, distance, rows))
+                    HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows))
 
 
 def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:

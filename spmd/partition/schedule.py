@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from spmd.partition.execution import Execution, plan_execution
-from spmd.partition.halo import Halo, Hop, halo_piece
+from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
@@ -66,7 +66,7 @@ class ScheduledOp:
   writes: tuple[TensorSharding, ...]             # per output
   execution: Execution | None = None             # None for control flow and annotations
   regions: tuple[RegionSchedule, ...] = ()
-  halo_hops: tuple[tuple[Halo, Hop, int], ...] = ()  # ppermutes of pieces not received before
+  halo_hops: tuple[tuple[Exchange, Hop, int], ...] = ()  # ppermutes of pieces not received before
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ when the window is larger than the output (weight gradients), reductions shared 
 window with a halo on the input."""
 from __future__ import annotations
 
-from spmd.partition.halo import Window
+from spmd.partition.halo_geometry import Window
 from spmd.partition.ir import Op
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from spmd.partition.halo import Window
+from spmd.partition.halo_geometry import Window
 
 DimFactors = tuple[int, ...]          # factor ids of one dim, major to minor; () = never sharded
 TensorFactors = tuple[DimFactors, ...]
@@ -53,7 +53,7 @@ class WindowedDim:
   operand: int
   dim: int
   window: Window
-  mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev (halo.py)
+  mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev; "rotate": roll
 
 
 @dataclass

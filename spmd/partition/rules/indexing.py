@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Sequence
 
-from spmd.partition.halo import Window
+from spmd.partition.halo_geometry import Window
 from spmd.partition.ir import Op, Value
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
@@ -67,6 +67,16 @@ def rev(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = [b.windowed(0, d, Window(n, n), mode="reverse") if d in reversed_dims else b.factor(n)
           for d, n in enumerate(shape)]
+  return b.build([dims], [dims])
+
+
+def roll(op: Op) -> OpShardingRule:
+  """A rolled dim is shared by operand and result: shard i's rows rotate from one or two shards
+  (the window's ``lo`` is the shift)."""
+  shape, axis = op.inputs[0].aval.shape, op.params["axis"]
+  b = RuleBuilder()
+  dims = [b.windowed(0, d, Window(n, n, lo=op.params["shift"]), mode="rotate") if d == axis
+          else b.factor(n) for d, n in enumerate(shape)]
   return b.build([dims], [dims])
 
 

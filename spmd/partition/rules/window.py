@@ -3,7 +3,7 @@ a dim with a real window is a halo factor shared by operands and result (reduce_
 select_and_scatter_add), or whole (select_and_gather_add, select_and_scatter)."""
 from __future__ import annotations
 
-from spmd.partition.halo import Window
+from spmd.partition.halo_geometry import Window
 import numpy as np
 from jax.extend import core as jcore
 

@@ -1,0 +1,292 @@
+"""Halo geometry: which rows of its neighbours each shard of a windowed dim needs (pure data).
+
+Per windowed dim (input size N on n shards of S = ceil(N/n) rows; window w, stride s, window
+dilation wd, base dilation bd, padding lo/hi): in padded-dilated coordinates output row o reads
+positions [o*s, o*s + D), D = 1 + (w-1)*wd. Shard i makes output rows [i*Wc, (i+1)*Wc),
+Wc = ceil(W/n), so it reads positions [i*Wc*s - lo, i*Wc*s - lo + s*(Wc-1) + D): input rows
+ceil((i*Wc*s - lo)/bd) .. ceil((i*Wc*s - lo + s*(Wc-1) + D)/bd) - 1. The static maxima over shards
+of the rows inside the array that lie left and right of the shard's own rows are the halos,
+fetched from neighbours (several hops when a halo is wider than a shard); the shard's buffer
+reaches as far as its span does, rows outside the array holding the op's pad value.
+
+``rev`` takes the mirrored shard's block (``Mirror``); ``roll`` takes its rows from the one or
+two shards its rows rotate from (``Rotation``). halo.py carries these exchanges out.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from spmd.partition.sharding import Axes
+
+
+@dataclass(frozen=True)
+class Window:
+  """How an op reads one dim of one operand; ``out`` is the result's size along it."""
+
+  size: int
+  out: int
+  window: int = 1
+  stride: int = 1
+  lo: int = 0
+  hi: int = 0
+  base_dilation: int = 1
+  window_dilation: int = 1
+
+  shards: int = 1
+
+  @property
+  def span(self) -> int:
+    """Padded-dilated positions one shard's output block reads: s*(Wc-1) + D."""
+    return self.stride * (self.block_out - 1) + 1 + (self.window - 1) * self.window_dilation
+
+  @property
+  def block_out(self) -> int:
+    return -(-self.out // self.shards)
+
+  def on(self, shards: int) -> Window:
+    return dataclasses.replace(self, shards=shards)
+
+
+@dataclass(frozen=True)
+class Start:
+  """Where shard i's span starts in padded-dilated positions (row r at r*dilation):
+  floor((scale*i + offset) / divisor) * stride + shift."""
+
+  scale: int
+  offset: int = 0
+  divisor: int = 1
+  stride: int = 1
+  shift: int = 0
+
+  def __call__(self, shard: Any) -> Any:
+    return (self.scale * shard + self.offset) // self.divisor * self.stride + self.shift
+
+
+@dataclass(frozen=True)
+class Hop:
+  """One ppermute of an exchange along dim ``dim`` split in ``shards`` blocks of ``block`` rows:
+  block i receives ``rows`` rows from block i - ``distance`` (``side`` "left": the sender's last
+  rows), from block i + ``distance`` ("right": its first rows), from block i + ``distance``
+  cyclically starting at row ``starts[sender]`` ("rotate"), or block ``shards - 1 - i`` whole
+  ("mirror")."""
+
+  dim: int
+  shards: int
+  axes: Axes
+  block: int
+  side: str
+  distance: int
+  rows: int
+  starts: tuple[int, ...] = ()
+
+  @property
+  def pairs(self) -> list[tuple[int, int]]:
+    """(sender, receiver) blocks."""
+    n, k = self.shards, self.distance
+    if self.side == "mirror":
+      return [(j, n - 1 - j) for j in range(n)]
+    if self.side == "left":
+      return [(j, j + k) for j in range(n - k)]
+    if self.side == "right":
+      return [(j, j - k) for j in range(k, n)]
+    return [(j, (j - k) % n) for j in range(n)]
+
+
+@dataclass(frozen=True)
+class Halo:
+  """The exchange along one sharded dim of one operand: ``left``/``right`` rows come from
+  neighbours (several hops when wider than a shard); the shard's buffer holds ``before`` rows
+  before its own and ``after`` after (those past the received ones lie outside the array). Shard
+  i's span starts at position ``first(i)`` of the padded-dilated coordinates and is ``length``
+  positions long."""
+
+  operand: int
+  dim: int
+  axes: Axes
+  size: int
+  shards: int
+  left: int
+  right: int
+  before: int
+  after: int
+  length: int
+  first: Start
+  dilation: int = 1
+
+  @property
+  def block(self) -> int:
+    return -(-self.size // self.shards)
+
+  def hop_rows(self, width: int) -> list[int]:
+    """Rows carried by hop 1, 2, ... to cover ``width`` rows of halo."""
+    rows, out = width, []
+    while rows > 0:
+      out.append(min(rows, self.block))
+      rows -= self.block
+    return out
+
+  def start(self, shard: Any) -> Any:
+    """Where this shard's span begins in its dilated buffer (which starts with ``dilation - 1``
+    pad positions: a span may begin in the hole before its first row)."""
+    return (self.first(shard) - (self.block * shard - self.before) * self.dilation
+            + self.dilation - 1)
+
+
+def _halo(operand: int, dim: int, axes: Axes, size: int, shards: int, length: int, first: Start,
+          dilation: int, active: int) -> Halo | None:
+  """Measures the halo the first ``active`` shards need; None when it would move more than
+  gathering the dim (all of its blocks)."""
+  block = -(-size // shards)
+  left = right = before = after = 0
+  for i in range(active):
+    lo, hi = -(-first(i) // dilation), -(-(first(i) + length) // dilation)
+    before, after = max(before, block * i - lo), max(after, hi - block * (i + 1))
+    lo, hi = max(lo, 0), min(hi, size)
+    if lo < hi:
+      left, right = max(left, block * i - lo), max(right, hi - block * (i + 1))
+  if left + right > shards * block:
+    return None
+  return Halo(operand, dim, axes, size, shards, left, right, max(before, left),
+              max(after, right), length, first, dilation)
+
+
+def plan_halo(operand: int, dim: int, axes: Axes, window: Window, shards: int) -> Halo | None:
+  """Shard i makes output rows [i*Wc, (i+1)*Wc): its span starts at i*Wc*s - lo."""
+  w = window.on(shards)
+  active = min(shards, -(-w.out // w.block_out))
+  return _halo(operand, dim, axes, w.size, shards, w.span, Start(w.stride * w.block_out,
+                                                                  shift=-w.lo),
+               w.base_dilation, active)
+
+
+def plan_scatter_halos(dim: int, axes: Axes, window: Window,
+                       shards: int) -> tuple[Halo, Halo, int] | None:
+  """select_and_scatter_add(source, operand): shard i makes operand rows [S*i, S*(i+1)), which
+  windows floor((S*i + lo - w + 1)/s) .. + K cover. Returns the source halo (K windows), the
+  operand halo (the rows those windows read) and K; None when either is too wide."""
+  n, w, s, lo = window.size, window.window, window.stride, window.lo
+  block = -(-n // shards)
+  count = 0
+  for i in range(min(shards, -(-n // block))):
+    o0 = (block * i + lo - w + 1) // s
+    last = (block * (i + 1) - 1 + lo) // s
+    count = max(count, last - o0 + 1, -(-(block * (i + 1) + lo - w) // s) - o0 + 1)
+  active = min(shards, -(-n // block))
+  source = _halo(0, dim, axes, window.out, shards, count, Start(block, lo - w + 1, s), 1, active)
+  operand = _halo(1, dim, axes, n, shards, s * (count - 1) + w,
+                  Start(block, lo - w + 1, s, s, -lo), 1, active)
+  if source is None or operand is None:
+    return None
+  return source, operand, count
+
+
+@dataclass(frozen=True)
+class Mirror:
+  """rev along a dim split evenly: shard i takes shard n-1-i's block (then reverses it)."""
+
+  operand: int
+  dim: int
+  axes: Axes
+  size: int
+  shards: int
+
+  @property
+  def block(self) -> int:
+    return self.size // self.shards
+
+  @property
+  def length(self) -> int:
+    return self.block
+
+
+def plan_mirror(operand: int, dim: int, axes: Axes, size: int, shards: int) -> Mirror | None:
+  """Uneven blocks do not mirror onto blocks: those are gathered instead."""
+  return Mirror(operand, dim, axes, size, shards) if size % shards == 0 else None
+
+
+@dataclass(frozen=True)
+class Rotation:
+  """roll along a dim: result row o is row (o - shift) mod size. Shard i receives one piece per
+  hop in ``pieces`` (distance 0: its own rows, no exchange); ``positions[i][r]`` is the row of
+  the pieces, concatenated in order, that its result row r is (None: they are its block in
+  order, as for every evenly split dim)."""
+
+  operand: int
+  dim: int
+  axes: Axes
+  size: int
+  shards: int
+  pieces: tuple[Hop, ...]
+  positions: tuple[tuple[int, ...], ...] | None
+
+  @property
+  def block(self) -> int:
+    return -(-self.size // self.shards)
+
+  @property
+  def length(self) -> int:
+    return self.block
+
+
+def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
+                  shift: int) -> Rotation:
+  """Each shard's result rows rotate from runs of rows of one or two (uneven: a few) shards; a
+  run from the shard ``d`` places after it is piece ``d``, as long as the longest such run."""
+  block = -(-size // shards)
+  runs: list[list[tuple[int, int, int]]] = []  # per shard: (distance, first row, rows)
+  for i in range(shards):
+    mine: list[tuple[int, int, int]] = []
+    for o in range(block * i, min(block * (i + 1), size)):
+      j, row = divmod((o - shift) % size, block)
+      d = (j - i) % shards
+      if mine and mine[-1][0] == d and mine[-1][1] + mine[-1][2] == row:
+        mine[-1] = (d, mine[-1][1], mine[-1][2] + 1)
+      else:
+        mine.append((d, row, 1))
+    runs.append(mine)
+  order = list(dict.fromkeys(d for mine in runs for d, _, _ in mine))
+  rows = {d: max(n for mine in runs for e, _, n in mine if e == d) for d in order}
+  starts = {d: [0] * shards for d in order}
+  for i, mine in enumerate(runs):
+    for d, row, _ in mine:
+      starts[d][(i + d) % shards] = min(row, block - rows[d])
+  base = dict(zip(order, [sum(rows[e] for e in order[:k]) for k in range(len(order))]))
+  positions = []
+  for i, mine in enumerate(runs):
+    mine_positions = [base[d] + row - starts[d][(i + d) % shards] + t
+                      for d, row, n in mine for t in range(n)]
+    positions.append(tuple(mine_positions + [0] * (block - len(mine_positions))))
+  pieces = tuple(Hop(dim, shards, axes, block, "rotate", d, rows[d], tuple(starts[d]))
+                 for d in order)
+  identity = all(p == tuple(range(block)) for p in positions)
+  return Rotation(operand, dim, axes, size, shards, pieces, None if identity else tuple(positions))
+
+
+Exchange = Halo | Mirror | Rotation
+
+
+def halo_piece(value: Any, read: Any, chain: tuple, hop: Hop) -> tuple:
+  """Identifies a received piece: the same piece of the same buffer (a value in one form, widened
+  by the same earlier exchanges) is exchanged once."""
+  return (value, read, chain, hop)
+
+
+def hops(x: Exchange) -> list[Hop]:
+  """Every ppermute of the exchange: rows from the shard ``distance`` places to the left (they
+  end the sender's block) or to the right (they start it), the mirrored shard's whole block, or
+  the pieces a rotation takes from other shards."""
+  if isinstance(x, Rotation):
+    return [h for h in x.pieces if h.distance]
+  if isinstance(x, Mirror):
+    return [Hop(x.dim, x.shards, x.axes, x.block, "mirror", 0, x.block)]
+  return ([Hop(x.dim, x.shards, x.axes, x.block, "left", k, rows)
+           for k, rows in enumerate(x.hop_rows(x.left), 1)]
+          + [Hop(x.dim, x.shards, x.axes, x.block, "right", k, rows)
+             for k, rows in enumerate(x.hop_rows(x.right), 1)])
+
+
+def geometry(x: Exchange) -> Exchange:
+  """What the widened buffer depends on: the exchange, the operand index aside."""
+  return dataclasses.replace(x, operand=0)
