@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -469,26 +470,49 @@ STENCILS = {
     "roll-both": lambda u: jnp.roll(u, (2, -1), (0, 1)),
 }
 STENCIL_SPECS = [("x8", P("x", None)), ("ab", P("a", "b")), ("ab", P("b", "a"))]
-# jnp.roll by more than one row currently gathers the rolled dim: halo-only is asserted by the
-# xfail test below, these get correctness and plan == HLO only.
-ROLLS_THAT_GATHER = ("roll-3", "roll-both")
 
 
 @pytest.mark.parametrize("mesh,spec", STENCIL_SPECS, ids=[f"{m}-{s}" for m, s in STENCIL_SPECS])
 @pytest.mark.parametrize("name", list(STENCILS))
 def test_stencils(name, mesh, spec):
-  check(STENCILS[name], (data(16, 16),), spec, mesh,
-        halo_only=False if name in ROLLS_THAT_GATHER else None)
+  check(STENCILS[name], (data(16, 16),), spec, mesh)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library limitation: jnp.roll by k > 1 rows (slice + slice + concatenate) along a sharded dim "
-    "all-gathers the dim (concatenate: 'dim 0 cannot be exchanged with neighbours ... uneven "
-    "blocks would not mirror') instead of a k-row collective-permute; roll by 1 is halo-only"))
-@pytest.mark.parametrize("shift,mesh,spec", [(-3, "x8", P("x", None)), (2, "x8", P("x", None)),
-                                             (2, "ab", P("a", "b")), (-3, "ab", P("b", "a"))])
-def test_roll_by_several_rows_is_halo_only(shift, mesh, spec):
-  check(lambda u: jnp.roll(u, shift, 0), (data(16, 16),), spec, mesh, halo_only=True)
+def _xla_bytes(fn, args, spec, mesh) -> int:
+  """Per-device collective bytes of jax.jit with the same input and output shardings."""
+  named = NamedSharding(_mesh(mesh), spec)
+  return sum(c.bytes for c in collectives(
+      jax.jit(fn, in_shardings=named, out_shardings=named).lower(*args).compile().as_text()))
+
+
+@pytest.mark.parametrize("shift,mesh,spec", [
+    (1, "x8", P("x", None)), (-1, "x8", P("x", None)), (-3, "x8", P("x", None)),
+    (2, "x8", P("x", None)), (9, "x8", P("x", None)), (8, "x4", P("x", None)),
+    (2, "ab", P("a", "b")), (-3, "ab", P("b", "a")), (5, "ab", P(AB, None))])
+def test_roll_is_halo_only_with_no_more_bytes_than_xla(shift, mesh, spec):
+  """A roll takes each shard's rows from the one or two shards they rotate from: a block's worth
+  of rows (XLA moves the same); a shift by whole blocks is one permute of whole blocks."""
+  u = data(16, 16)
+  fn = lambda u: jnp.roll(u, shift, 0)  # noqa: E731
+  plan, found = check(fn, (u,), spec, mesh, halo_only=True)
+  assert {c.kind for c in found} == {"collective-permute"}
+  assert plan.total_bytes <= _xla_bytes(fn, (u,), spec, mesh), plan.explain()
+
+
+def test_roll_along_two_sharded_dims_and_of_a_gradient():
+  u = data(16, 16)
+  fn = lambda u: jnp.roll(u, (2, -1), (0, 1))  # noqa: E731
+  plan, _ = check(fn, (u,), P("a", "b"), "ab", halo_only=True)
+  assert plan.total_bytes <= _xla_bytes(fn, (u,), P("a", "b"), "ab")
+  check(jax.grad(lambda u: (jnp.roll(u, 3, 0) * u).sum()), (u,), P("x", None), "x8",
+        halo_only=False)
+
+
+@pytest.mark.parametrize("n,shift,mesh", [(13, 1, "x4"), (13, -3, "x4"), (13, 5, "x8"),
+                                          (9, 2, "x4"), (3, 1, "x8")])
+def test_roll_uneven(n, shift, mesh):
+  """Uneven blocks: each shard's rows rotate from a few shards, at offsets that vary by shard."""
+  check(lambda u: jnp.roll(u, shift, 0), (data(n, 3),), P("x", None), mesh)
 
 
 @pytest.mark.parametrize("mesh,spec", STENCIL_SPECS, ids=[f"{m}-{s}" for m, s in STENCIL_SPECS])

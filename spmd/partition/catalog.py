@@ -15,6 +15,7 @@ from spmd.partition import local
 from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
 from spmd.partition.jax_compat import primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Linearity, PrimitiveInfo)
+from spmd.partition.roll import roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
 
@@ -181,7 +182,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
 def build_registry() -> Mapping[Primitive, PrimitiveInfo]:
   table: dict[Primitive, PrimitiveInfo] = {
       annotate_p: PrimitiveInfo(elementwise.elementwise, ADDITIVE_IN_FIRST, local.operands,
-                                annotation=annotate_request)}
+                                annotation=annotate_request),
+      roll_p: PrimitiveInfo(indexing.roll, ADDITIVE_IN_FIRST, local.roll)}
   for names, info in _entries():
     for primitive in primitives_named(*names):
       if primitive in table:

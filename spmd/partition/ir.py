@@ -16,6 +16,7 @@ from jax.extend import core as jcore
 
 from spmd.partition.jax_compat import open_jaxpr
 from spmd.partition.primitives import describe
+from spmd.partition.roll import fuse_rolls
 
 _ids = itertools.count()
 # Frames inside spmd.partition (e.g. spmd.annotate) are not the user's source line.
@@ -244,11 +245,12 @@ def _literal_key(val: Any) -> Any:
 
 
 def build_program(closed: jcore.ClosedJaxpr) -> Program:
-  """Builds the program of a traced function: calls inlined, common subexpressions merged, dead
-  ops dropped, ops numbered depth-first."""
+  """Builds the program of a traced function: calls inlined, common subexpressions merged, rolls
+  made one op, dead ops dropped, ops numbered depth-first."""
   builder = _Builder()
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
+  fuse_rolls(ops)
   program = Program(top.inputs, _prune(ops, outputs), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
