@@ -5,6 +5,7 @@ import functools
 import inspect
 import numbers
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -16,11 +17,12 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
+from spmd.partition.annotation import restate_spec_error
 from spmd.partition.ir import build_program
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.planner import Analysis, Boundary, analyze
-from spmd.partition.sharding import TensorSharding
+from spmd.partition.sharding import TensorSharding, mesh_text
 from spmd.plan import Plan
 
 BACKENDS = ("spmd", "xla")
@@ -182,8 +184,9 @@ class Partitioned:
       _check_leaf(name, leaf)
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
     requested = self._requested_specs(dyn, len(leaves))
-    given = tuple(self._sharding(spec, aval.shape, f"in_specs for argument {name}")
-                  for spec, aval, name in zip(requested, avals, leaf_names))
+    given = tuple(self._whole_size_one_dims(
+        self._sharding(spec, aval.shape, f"in_specs for argument {name}"), aval.shape,
+        f"in_specs for argument {name}") for spec, aval, name in zip(requested, avals, leaf_names))
     arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
                                     f"the sharding of argument {name}")
                      for leaf, aval, name in zip(leaves, avals, leaf_names))
@@ -212,7 +215,13 @@ class Partitioned:
     # spec like any other, not a type JAX would propagate into the ops' params.
     unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
-      closed = jax.make_jaxpr(flat_fun)(*unsharded)
+      try:
+        closed = jax.make_jaxpr(flat_fun)(*unsharded)
+      except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
+        clearer = restate_spec_error(e, self._mesh_shape)
+        if clearer is None:
+          raise
+        raise clearer from None
     out_tree = out_store[-1]
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
@@ -332,6 +341,19 @@ class Partitioned:
                          "them): use backend='spmd', which pads")
     return sharding
 
+  def _whole_size_one_dims(self, s: TensorSharding | None, shape: tuple[int, ...],
+                           what: str) -> TensorSharding | None:
+    """``s`` with its dims of size 1 unsharded, with a warning: one element cannot be split
+    (one device would hold it, the others padding, and every op would gather it)."""
+    split = [d for d, n in enumerate(shape) if n == 1 and s is not None and s.dims[d]]
+    if not split:
+      return s
+    warnings.warn(f"spmd.partition: {what}: {s} shards dim {split[0]}, of size 1, over "
+                  f"{', '.join(s.dims[split[0]])} (mesh {mesh_text(self._mesh_shape)}); one "
+                  "element cannot be split, so that dim is whole on every device: write None "
+                  "for it", stacklevel=5)
+    return s.with_dims([() if d in split else a for d, a in enumerate(s.dims)])
+
   # --- arguments -------------------------------------------------------------------------------
 
   def _positional(self, args: tuple, kwargs: dict) -> tuple:
@@ -438,6 +460,8 @@ def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, li
     if isinstance(leaf, jax.core.Tracer):
       return None, None
     if isinstance(leaf, jax.Array):
+      if leaf.is_deleted():
+        return None, None  # the full path says which argument
       parts.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False),
                     leaf.sharding if leaf.committed else None))
     elif isinstance(leaf, (np.ndarray, np.generic)):
@@ -455,6 +479,11 @@ def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, li
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
+  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+    # jax 0.10's jit would crash on it rather than raise
+    raise RuntimeError(f"spmd.partition: argument {name}: Array has been deleted with shape="
+                       f"{leaf.aval.str_short()}: it was donated to an earlier call "
+                       "(donate_argnums); pass what that call returned")
   if isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)) or (
       hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
     return

@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+import traceback
+from typing import Any, Mapping
 
 import jax
 from jax.extend.core import Primitive
@@ -15,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.partition.ir import Op
 from spmd.partition.primitives import describe
+from spmd.partition.sharding import mesh_text
 
 annotate_p = Primitive("spmd_annotate")
 annotate_p.def_impl(lambda x, *, spec: x)
@@ -93,3 +96,23 @@ def _out_sharding(op: Op) -> Request | None:
   rank = len(op.outputs[0].shape)
   return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
                          or spec[d] is P.UNCONSTRAINED)
+
+
+_JAX_DIR = os.path.dirname(jax.__file__)
+_SPEC_CHECKS = os.path.join("jax", "_src", "named_sharding.py")  # where JAX validates specs
+
+
+def restate_spec_error(e: Exception, mesh: Mapping[str, int]) -> ValueError | None:
+  """JAX's check of a spec asked for inside the traced function (``with_sharding_constraint``
+  naming a mesh axis the mesh lacks, or one axis twice), restated with where it was asked, the
+  mesh and the fix; None for any other error."""
+  frames = traceback.extract_tb(e.__traceback__)
+  if not any(f.filename.endswith(_SPEC_CHECKS) for f in frames):
+    return None
+  user = [f for f in frames if not f.filename.startswith(_JAX_DIR)]
+  site = (f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} ({user[-1].name})"
+          if user else "")
+  return ValueError(f"spmd.partition: the sharding asked for{site} does not fit the mesh "
+                    f"({mesh_text(mesh)}): {e} Name only the mesh's axes, each at most once; "
+                    "logical names resolve through rules= in spmd.annotate or flax's "
+                    "nn.with_logical_constraint")

@@ -258,14 +258,16 @@ def random_bits(local: Local, args: list) -> list:
 def _whole_then_slice(local: Local, args: list) -> list:
   """Computes the op with global shapes (its operands are whole) and keeps this device's block."""
   outs = bind(local.op, args)
-  return [_block(o, w) for o, w in zip(outs, local.writes)]
+  return [_block(o, w, local.mesh) for o, w in zip(outs, local.writes)]
 
 
-def _block(x: jax.Array, s: TensorSharding) -> jax.Array:
-  for d, axes in enumerate(s.dims):
+def _block(x: jax.Array, s: TensorSharding, mesh: MeshShape) -> jax.Array:
+  """This device's block of the whole ``x``: ``ceil(N/n)`` rows of an uneven dim, padded."""
+  for d, (axes, size) in enumerate(zip(s.dims, s.local_shape(x.shape, mesh))):
     if axes:
-      size = x.shape[d] // math.prod(lax.axis_size(a) for a in axes)
-      x = lax.dynamic_slice_in_dim(x, shard_index(axes) * size, size, d)
+      padding = [(0, 0)] * x.ndim
+      padding[d] = (0, size * s.shards(d, mesh) - x.shape[d])
+      x = lax.dynamic_slice_in_dim(jnp.pad(x, padding), shard_index(axes) * size, size, d)
   return x
 
 

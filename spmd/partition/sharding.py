@@ -36,7 +36,8 @@ class TensorSharding:
     entries = tuple(spec)
     if len(entries) > rank:
       raise ValueError(
-          f"{what}: {spec} has {len(entries)} entries but the array has rank {rank}")
+          f"{what}: {spec} has {len(entries)} entries but the array has rank {rank} (mesh "
+          f"{mesh_text(mesh_shape)}): give one entry per dim at most")
     dims: list[Axes] = []
     seen: set[str] = set()
     for entry in entries + (None,) * (rank - len(entries)):
@@ -47,7 +48,8 @@ class TensorSharding:
               f"{what}: {spec} names mesh axis {axis!r}, which is not in the mesh "
               f"(axes: {', '.join(mesh_shape)})")
         if axis in seen:
-          raise ValueError(f"{what}: {spec} uses mesh axis {axis!r} more than once")
+          raise ValueError(f"{what}: {spec} uses mesh axis {axis!r} more than once (mesh "
+                           f"{mesh_text(mesh_shape)}): a mesh axis splits one dim at most")
         seen.add(axis)
       dims.append(axes)
     return cls(tuple(dims))
@@ -84,6 +86,11 @@ class TensorSharding:
     if not self.partial:
       return text
     return text + f" partial-{self.partial_op}({', '.join(self.partial)})"
+
+
+def mesh_text(mesh_shape: MeshShape) -> str:
+  """``data=2, model=4``: a mesh as errors name it."""
+  return ", ".join(f"{name}={size}" for name, size in mesh_shape.items())
 
 
 def _entry_axes(entry: object, what: str, spec: P) -> Axes:
