@@ -12,9 +12,9 @@ from spmd.partition.sharding import Axes
 @dataclass(frozen=True)
 class HaloExchange:
   """One ppermute of a halo exchange along dim ``dim`` of operand ``operand``, split in
-  ``shards`` blocks: each block receives ``rows`` rows from the block ``hop`` places before it
-  (``side`` "left": the sender's last rows) or after it ("right": its first rows); "mirror":
-  block i receives block ``shards - 1 - i`` whole (``rev``)."""
+  ``shards`` blocks: ``rows`` rows from the block ``hop`` places before each block (``side``
+  "left"), after it ("right"), after it cyclically ("rotate"), or the mirrored block whole
+  ("mirror"); ``pairs`` are the (sender, receiver) blocks the ppermute connects."""
 
   operand: int
   dim: int
@@ -22,16 +22,7 @@ class HaloExchange:
   side: str
   hop: int
   rows: int
-
-  @property
-  def pairs(self) -> tuple[tuple[int, int], ...]:
-    """(sender, receiver) blocks, as halo.py permutes them."""
-    n, k = self.shards, self.hop
-    if self.side == "mirror":
-      return tuple((j, n - 1 - j) for j in range(n))
-    if self.side == "left":
-      return tuple((j, j + k) for j in range(n - k))
-    return tuple((j, j - k) for j in range(k, n))
+  pairs: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,9 @@ def _plans(mesh):
   rnn = spmd.partition(_rnn, mesh=mesh, in_specs=(P(None, "data", None), P(None, "model")))
   grad = spmd.partition(jax.grad(_conv_net, argnums=(1, 2)), mesh=mesh,
                         in_specs=(P("data", "model", None, None), P(), P()))
+  roll = spmd.partition(lambda x: jnp.roll(x, 3, axis=0) * 2, mesh=mesh, in_specs=P("model"))
   return [conv.plan(*conv_args), rnn.plan(jnp.ones((5, 8, 16)), jnp.ones((16, 16))),
-          grad.plan(*conv_args)]
+          grad.plan(*conv_args), roll.plan(jnp.ones((16, 8)))]
 
 
 def _key(c) -> tuple:
@@ -107,6 +108,8 @@ def _key(c) -> tuple:
 def test_program_picture_draws_the_plans_collectives_and_halo_arrows(mesh):
   plans = _plans(mesh)
   assert any(c.trips != 1 for c in plans[1].collectives)
+  sides = {c.halo.side for p in plans for c in p.collectives if c.halo is not None}
+  assert {"left", "right", "rotate"} <= sides, sides
   for plan in plans:
     svg = program(plan, by_layer=False).svg()
     badges = _groups(svg, "collective")
@@ -119,7 +122,7 @@ def test_program_picture_draws_the_plans_collectives_and_halo_arrows(mesh):
     for g, h in zip(drawn, halos):
       arrows = {(int(a.get("data-from")), int(a.get("data-to"))) for a in g.iter(f"{SVG}line")}
       assert arrows == {p for p in h.pairs if p[0] != p[1]}
-      assert h.side in ("left", "right") and h.rows > 0
+      assert h.rows > 0
     ops = _groups(svg, "op")
     assert [int(g.get("data-index")) for g in ops] == [r.index for r in plan.rows]
     fills = {}
@@ -128,7 +131,7 @@ def test_program_picture_draws_the_plans_collectives_and_halo_arrows(mesh):
       assert fills.setdefault(row.specs[0], swatch.get("fill")) == swatch.get("fill")
       assert (swatch.get("class") == "annotation") == row.annotated
     assert len(set(fills.values())) == len(fills)
-    assert any(r.annotated for r in plan.rows) or plan is plans[1]
+    assert any(r.annotated for r in plan.rows) or plan in (plans[1], plans[3])
 
 
 def test_program_picture_by_layer_sums_each_layers_collectives(mesh):

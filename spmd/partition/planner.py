@@ -254,7 +254,8 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
                     f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
-                    HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows))
+                    HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
+                                 tuple(hop.pairs)))
 
 
 def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:

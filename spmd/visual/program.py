@@ -109,12 +109,13 @@ def _badge(kind: str, label: str, x: float, y: float, title: str, c: Collective 
 
 def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
   """The blocks of the exchanged dim as boxes, an arrow from each sender to its receiver: above
-  for rows from the left, below for rows from the right, through the middle for a mirror."""
+  for rows from the left, below for rows from the right, through the middle for a rotation or a
+  mirror."""
   shards = min(h.shards, MAX_SHARDS)
   box, gap = 16, 14
   parts = [svg.rect(x + k * (box + gap), y + 6, box, LINE - 12, "#eee", stroke="#555")
            for k in range(shards)]
-  level = {"left": y + 8, "right": y + LINE - 8, "mirror": y + LINE / 2}[h.side]
+  level = {"left": y + 8, "right": y + LINE - 8}.get(h.side, y + LINE / 2)
   for src, dst in h.pairs:
     if src != dst and max(src, dst) < shards:
       x0, x1 = (x + src * (box + gap) + (box if src < dst else 0),
@@ -123,7 +124,7 @@ def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
                              data_to=dst))
   end = x + shards * (box + gap)
   source = {"left": f"{h.hop} block(s) before", "right": f"{h.hop} block(s) after",
-            "mirror": "the mirrored block"}[h.side]
+            "rotate": f"{h.hop} block(s) after, cyclically"}.get(h.side, "the mirrored block")
   note = f"dim {h.dim}: {h.rows} rows from {source}"
   parts.append(svg.text(end, y + 15, note))
   return (svg.group(parts, class_="halo", data_dim=h.dim, data_shards=h.shards),
