@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd import checkpoint
 from workloads import Workload, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,15 @@ def initial_args() -> list[np.ndarray]:
           for x in jax.tree.leaves(traced_workload().args)]
 
 
+def placed_state(mesh: jax.sharding.Mesh, args: list[np.ndarray]) -> list:
+  """The (params, optimizer state) in ``args`` as global arrays, made from a callback."""
+  w = traced_workload()
+  place = lambda spec, x: jax.make_array_from_callback(  # noqa: E731
+      x.shape, NamedSharding(mesh, spec), lambda index: x[index])
+  state = jax.tree.unflatten(jax.tree.structure(w.args), args)[:2]
+  return jax.tree.map(place, w.in_specs[:2], state, is_leaf=lambda s: isinstance(s, P))
+
+
 def run_steps(mesh: jax.sharding.Mesh, args: list[np.ndarray], batch: tuple,
               fetch: Callable[[jax.Array], np.ndarray], donate: tuple[int, ...] = ()
               ) -> tuple[list[np.ndarray], spmd.Plan]:
@@ -56,10 +66,7 @@ def run_steps(mesh: jax.sharding.Mesh, args: list[np.ndarray], batch: tuple,
   leaves), placed as global arrays from a callback, on ``batch``: every output of every step,
   fetched, and the plan. Every step has the same argument shardings: one plan, one compilation."""
   w = traced_workload()
-  place = lambda spec, x: jax.make_array_from_callback(  # noqa: E731
-      x.shape, NamedSharding(mesh, spec), lambda index: x[index])
-  state = jax.tree.unflatten(jax.tree.structure(w.args), args)[:2]
-  state = jax.tree.map(place, w.in_specs[:2], state, is_leaf=lambda s: isinstance(s, P))
+  state = placed_state(mesh, args)
   step = spmd.partition(w.fn, mesh=mesh, in_specs=w.in_specs, donate_argnums=donate)
   plan = step.plan(*state, *batch)
   outs = []
@@ -94,6 +101,7 @@ def child(out: str) -> None:
   uneven = np.arange(15 * 3, dtype=np.float32).reshape(15, 3)  # padded to 16 rows, then placed
   total = spmd.partition(lambda x: x.sum(0), mesh=mesh, in_specs=P(("data", "model")))(uneven)
   np.testing.assert_array_equal(fetch(total), uneven.sum(0))
+  checkpoint.save(Path(out).with_suffix(".ckpt"), 0, placed_state(mesh, args))  # shards per process
   if k == 0:
     np.savez(out, *outs)
     Path(out).with_suffix(".json").write_text(json.dumps(collectives(plan)))
@@ -129,6 +137,13 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
   for k, (a, b) in enumerate(zip(two, one)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"output {k}")
   assert json.loads(out.with_suffix(".json").read_text()) == collectives(plan)
+  # The state both processes checkpointed, restored here onto another mesh shape.
+  state = placed_state(spmd.make_mesh(MESH), args)
+  target = checkpoint.targets(state, spmd.make_mesh({"data": 4, "model": 2}),
+                              traced_workload().in_specs[:2])
+  restored = checkpoint.restore(out.with_suffix(".ckpt"), target)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_launcher_propagates_first_failure_and_stops_the_rest(tmp_path: Path) -> None:
