@@ -107,15 +107,15 @@ def child(out: str) -> None:
     Path(out).with_suffix(".json").write_text(json.dumps(collectives(plan)))
 
 
-def launch(script: Path, *args: str) -> subprocess.CompletedProcess:
-  """``python -m spmd launch -n 2 --cpu-devices 4 script args``; the whole process group is
-  killed if the launcher itself overruns."""
+def launch(script: Path, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+  """``python -m spmd launch -n 2 --cpu-devices 4 --timeout T script args``; the whole process
+  group is killed if the launcher itself overruns."""
   command = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--cpu-devices", "4",
-             "--timeout", str(TIMEOUT_S), str(script), *args]
+             "--timeout", str(timeout), str(script), *args]
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True)
   try:
-    out, _ = proc.communicate(timeout=TIMEOUT_S + 30)
+    out, _ = proc.communicate(timeout=timeout + 30)
   except subprocess.TimeoutExpired:
     os.killpg(proc.pid, signal.SIGKILL)
     out, _ = proc.communicate()
@@ -165,6 +165,19 @@ def test_launcher_propagates_first_failure_and_stops_the_rest(tmp_path: Path) ->
   (pid,) = re.findall(r"\[p0\] pid (\d+)", proc.stdout)
   with pytest.raises(ProcessLookupError):
     os.kill(int(pid), 0)  # stopped and reaped
+
+
+def test_launcher_timeout_stops_every_process(tmp_path: Path) -> None:
+  script = tmp_path / "hang.py"
+  script.write_text("import os, time\nprint('pid', os.getpid())\ntime.sleep(600)\n")
+  proc = launch(script, timeout=8)
+  assert proc.returncode == 124, proc.stdout[-2000:]
+  assert "spmd launch: timed out after 8.0 s" in proc.stdout
+  pids = re.findall(r"\[p\d\] pid (\d+)", proc.stdout)
+  assert len(pids) == 2, proc.stdout[-2000:]
+  for pid in pids:
+    with pytest.raises(ProcessLookupError):
+      os.kill(int(pid), 0)
 
 
 if __name__ == "__main__":
