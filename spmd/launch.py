@@ -9,6 +9,7 @@ stopped on exit, timeout or Ctrl-C.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -20,7 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 ENV = "SPMD_LAUNCH"    # a child's Process, as JSON
 TIMEOUT_EXIT = 124     # as coreutils' timeout
@@ -44,23 +45,22 @@ def launch(script: str, args: Sequence[str], num_processes: int, cpu_devices: in
     raise ValueError(f"spmd launch: needs at least one process and one CPU device each, got "
                      f"-n {num_processes} --cpu-devices {cpu_devices}")
   coordinator = f"127.0.0.1:{_free_port()}"
-  procs = [_start(Process(coordinator, num_processes, k, cpu_devices), script, args)
-           for k in range(num_processes)]
-  pumps = [threading.Thread(target=_pump, args=(p.stdout, f"[p{k}] ".encode()), daemon=True)
-           for k, p in enumerate(procs)]
-  for t in pumps:
-    t.start()
-  previous = _exit_on_sigterm()
-  try:
-    return _wait(procs, timeout)
-  except KeyboardInterrupt:
-    return 128 + signal.SIGINT
-  finally:
-    _stop(procs)
-    for t in pumps:
-      t.join()
-    if previous is not None:
-      signal.signal(signal.SIGTERM, previous)
+  procs: list[subprocess.Popen] = []
+  pumps: list[threading.Thread] = []
+  with _exit_on_sigterm():
+    try:
+      for k in range(num_processes):
+        procs.append(_start(Process(coordinator, num_processes, k, cpu_devices), script, args))
+        pumps.append(threading.Thread(target=_pump, args=(procs[-1].stdout, f"[p{k}] ".encode()),
+                                      daemon=True))
+        pumps[-1].start()
+      return _wait(procs, timeout)
+    except KeyboardInterrupt:
+      return 128 + signal.SIGINT
+    finally:
+      _stop(procs)
+      for t in pumps:
+        t.join()
 
 
 def _free_port() -> int:
@@ -110,12 +110,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
     p.wait()
 
 
-def _exit_on_sigterm() -> signal.Handlers | None:
-  """A SIGTERM to the launcher exits through ``finally`` (stopping the children); returns the
-  previous handler (None off the main thread, where handlers cannot be set)."""
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+  """Within it, a SIGTERM to the launcher exits through ``finally`` (stopping the children), on
+  the main thread, the only one where handlers can be set."""
   if threading.current_thread() is not threading.main_thread():
-    return None
-  return signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _bootstrap(argv: list[str]) -> None:
