@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -49,6 +50,25 @@ def test_reshard_kinds_appear_in_hlo(mesh, src, dst, kind):
   plan, hlo = _check(f, X)
   assert [c.kind for c in plan.collectives] == [kind] * len(plan.collectives)
   assert {c.kind for c in collectives(hlo)} == {kind}
+
+
+@pytest.mark.parametrize("axes, src, dst", [
+    ({"data": 2, "model": 4}, P(("data", "model"), None), P("model", "data")),
+    ({"data": 2, "model": 4}, P(("model", "data"), None), P("data", "model")),
+    ({"a": 2, "b": 2, "c": 2}, P(("a", "b", "c"), None), P(("b", "c"), "a")),
+    ({"a": 2, "b": 2, "c": 2}, P(("a", "b", "c"), None), P(("a", "c"), "b")),
+    ({"a": 2, "b": 2, "c": 2}, P(("a", "b"), "c"), P("b", ("c", "a"))),
+])
+def test_a_major_axis_moving_to_another_dim_is_permute_then_all_to_all(axes, src, dst):
+  """The axis is made minor by reordering whole blocks, then moved: no gather (as XLA)."""
+  m = spmd.make_mesh(axes)
+  f = _reshard(m, src, dst)
+  plan, hlo = _check(f, X)
+  assert [c.kind for c in plan.collectives] == ["collective-permute", "all-to-all"]
+  assert sorted(c.kind for c in collectives(hlo)) == ["all-to-all", "collective-permute"]
+  xla = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(m, dst)) + 1,
+                in_shardings=NamedSharding(m, src))
+  assert plan.total_bytes <= collective_bytes(xla.lower(X).compile().as_text())
 
 
 def test_more_tiling_is_a_local_slice(mesh):

@@ -3,7 +3,8 @@
 Order (cheapest first, as XLA prefers): pending partial sums are reduced (reduce-scatter where
 the target shards that axis, else all-reduce); dims whose axes only change order are permuted;
 axes free everywhere are sliced locally (no communication) so later collectives move less;
-an axis that moves from one dim to another is an all-to-all; axes to drop are all-gathered;
+an axis that moves from one dim to another is an all-to-all (made the minor axis of its dim
+first by a collective-permute); axes to drop are all-gathered;
 finally the remaining axes are sliced locally.
 
 Uneven dims (size N not divisible by the shard count n) are held padded: shard k has rows
@@ -119,21 +120,35 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
 
   # 3. Local slices first, so that collectives move less.
   slice_free()
-  # 4. All-to-all: the minor axis of dim i is wanted next on dim j.
+  def movable(i: int, a: str) -> int | None:
+    """The dim that wants axis ``a`` of dim ``i`` next, if an all-to-all can move it there."""
+    for j in range(len(dims)):
+      if (j != i and wants_next(j, a) and gathers_exactly(shape[i], count(dims[i]), mesh[a])
+          and splits_exactly(shape[j], count(dims[j]), mesh[a])):
+        return j
+    return None
+
+  # 4. All-to-all: the minor axis of dim i is wanted next on dim j. An axis wanted elsewhere
+  # from a more major position of an even dim whose other axes stay is made minor first by a
+  # collective-permute (whole blocks change places), as XLA does, rather than gathered.
   moved = True
   while moved:
     moved = False
     for i in range(len(dims)):
       if not dims[i] or target[i][:len(dims[i])] == dims[i]:
         continue
-      a = dims[i][-1]
-      for j in range(len(dims)):
-        if (j != i and wants_next(j, a)
-            and gathers_exactly(shape[i], count(dims[i]), mesh[a])
-            and splits_exactly(shape[j], count(dims[j]), mesh[a])):
-          emit("all-to-all", [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)), i, j)
-          moved = True
+      for a in dims[i][-2::-1] if shape[i] % count(dims[i]) == 0 else ():
+        rest = [b for b in dims[i] if b != a]
+        if target[i][:len(rest)] == rest and movable(i, a) is not None:
+          order = rest + [a]
+          emit("collective-permute", order,
+               lambda i=i, order=order: dims[i].__setitem__(slice(None), order), i)
           break
+      a = dims[i][-1]
+      j = movable(i, a)
+      if j is not None:
+        emit("all-to-all", [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)), i, j)
+        moved = True
   # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
   for d, want in enumerate(target):
     keep = 0
