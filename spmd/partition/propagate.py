@@ -8,9 +8,14 @@ Policy (deterministic), per factor:
   2. Otherwise a closed sharding (in_specs, annotations, out_specs) beats an open one, a larger
      tensor beats a smaller one (moving the smaller one is cheaper), then the earlier tensor
      (operands before results). Two closed shardings that disagree are reported as a conflict.
-  3. A mesh axis wanted by two factors of one op goes to the factor merged first in that order.
+  3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
+     then moves the smaller one), closed before open among tensors of one size.
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
-Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op priority).
+Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
+priority); only then does a broadcast's smaller operand donate its sharding to the larger result
+(XLA's propagation also defers forward propagation through broadcasts), so a small param's
+sharding does not claim a large activation's mesh axes before the activation's own sharding
+arrives.
 """
 from __future__ import annotations
 
@@ -124,6 +129,7 @@ class _Engine:
     self.clock = 0
     self.changed_at: dict[Value, int] = {}
     self.applied_at: dict[int, int] = {}
+    self.broadcasting = False
 
   def dims_of(self, v: Value) -> list[Axes]:
     if v not in self.dims:
@@ -131,8 +137,10 @@ class _Engine:
     return self.dims[v]
 
   def run(self, constraints: list[Constraint]) -> None:
-    for level in (0, 1):
+    for level in (0, 1, 2):
       active = [c for c in constraints if level or c.rule.pass_through]
+      self.broadcasting = level == 2
+      self.applied_at.clear()  # a later level may write what an earlier one could not
       changed = True
       while changed:
         changed = False
@@ -148,9 +156,12 @@ class _Engine:
     self.applied_at[id(c)] = self.clock
     rule = c.rule
     candidates: dict[int, list[_Candidate]] = {}
+    largest = max(math.prod(v.shape) for v in c.tensors() if v is not None)
     for pos, (v, tf) in enumerate(zip(c.tensors(), rule.tensors())):
       if v is None or tf is None:
         continue
+      if rule.pass_through and not self.broadcasting and math.prod(v.shape) < largest:
+        continue  # a broadcast's small operand donates last (as XLA's propagation does)
       dims, closed, size = self.dims_of(v), self.closed.get(v, frozenset()), math.prod(v.shape)
       for d, factors in enumerate(tf):
         for f, axes in project(factors, dims[d], rule.sizes, self.mesh):
@@ -187,7 +198,11 @@ class _Engine:
       chosen.append((best.priority(), f, best.axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
-    for _, f, axes, best in sorted(chosen, key=lambda t: (t[0], t[1])):
+    # Between factors, the larger tensor's factor takes a contested mesh axis first: the op then
+    # moves the smaller tensor (closedness only breaks ties; a closed tensor that loses an axis
+    # here is resharded for this op, never changed).
+    for _, f, axes, best in sorted(chosen, key=lambda t: (-t[3].size, not t[3].closed,
+                                                          t[3].pos, t[1])):
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)

@@ -84,11 +84,14 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     want = target[d]
     return len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d] and want[len(dims[d])] == a
 
-  # 1. Partial sums: reduce-scatter into the dim that wants the axis next, else all-reduce.
+  # 1. Partial sums: reduce-scatter into the dim that wants the axis next (one collective for a
+  # run of axes that dim wants in turn), else all-reduce.
   for a in list(partial) if src.partial_op == "sum" else ():
     for d in range(len(dims)):
-      if wants_next(d, a) and splits_exactly(shape[d], count(dims[d]), mesh[a]):
-        emit("reduce-scatter", [a], lambda a=a, d=d: (partial.remove(a), dims[d].append(a)), d)
+      run = _scatter_run(a, partial, dims[d], target[d])
+      if run and splits_exactly(shape[d], count(dims[d]), count(run)):
+        emit("reduce-scatter", run, lambda run=run, d=d: (
+            [partial.remove(b) for b in run], dims[d].extend(run)), d)
         break
   if partial:
     emit("all-reduce", list(partial), partial.clear)
@@ -170,6 +173,19 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   if cur() != dst:
     raise AssertionError(f"reshard {src} -> {dst} of {tuple(shape)} stopped at {cur()}")
   return tuple(steps)
+
+
+def _scatter_run(first: str, partial: Sequence[str], have: Sequence[str],
+                 want: Sequence[str]) -> list[str]:
+  """The partial axes, from ``first`` on, that a dim sharded by ``have`` wants next, in order."""
+  if first not in partial or len(want) <= len(have) or list(want[:len(have)]) != list(have):
+    return []
+  run: list[str] = []
+  for b in want[len(have):]:
+    if b not in partial or (not run and b != first):
+      break
+    run.append(b)
+  return run
 
 
 def _buffer_bytes(kind: str, k: int, before: TensorSharding, after: TensorSharding, dim: int | None,
