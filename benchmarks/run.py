@@ -68,7 +68,7 @@ def _fmt_sizes(sizes: dict[str, int]) -> str:
   return " ".join(f"{k}={v}" for k, v in sizes.items())
 
 
-def _named(mesh: Mesh, specs: Any) -> Any:
+def named_shardings(mesh: Mesh, specs: Any) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
@@ -76,11 +76,11 @@ def _programs(w: Workload, mesh: Mesh) -> tuple[spmd.Partitioned, Callable]:
   """Ours, and XLA's jit of the same function with the same in / out shardings."""
   ours = spmd.partition(w.fn, mesh=mesh, in_specs=w.in_specs)
   out_specs = ours.plan(*w.args).out_specs
-  return ours, jax.jit(w.fn, in_shardings=_named(mesh, w.in_specs),
-                       out_shardings=_named(mesh, out_specs))
+  return ours, jax.jit(w.fn, in_shardings=named_shardings(mesh, w.in_specs),
+                       out_shardings=named_shardings(mesh, out_specs))
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   cells = [list(map(str, header))] + [list(map(str, r)) for r in rows]
   widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
   lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
@@ -89,7 +89,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
   return "\n".join(lines)
 
 
-def _geomean(xs: Sequence[float]) -> float:
+def geomean(xs: Sequence[float]) -> float:
   return float(np.exp(np.mean(np.log(xs))))
 
 
@@ -214,7 +214,7 @@ def _fmt_comm(comm: list[tuple[str, int, list[str]]]) -> str:
                   for what, n, arrays in comm) or "none"
 
 
-def _why(ours: list, xla: list) -> str:
+def why_differs(ours: list, xla: list) -> str:
   """The arrays only one side moves. Arrays pair off by collective kind and size, so that a
   transposed layout, or the same bytes over other axes, is no difference."""
   def arrays(comm: list) -> dict[tuple[str, int], list[tuple[str, str]]]:
@@ -243,22 +243,22 @@ def section_bytes() -> None:
     theirs = comm_list(xla.lower(*w.args).compile().as_text(), mesh)
     a, b = sum(n for _, n, _ in mine), sum(n for _, n, _ in theirs)
     ratios.append(a / b if b else 1.0)
-    rows.append((w.name, a, b, f"{a / b:.3f}" if b else "-", _why(mine, theirs) if a != b else "-"))
+    rows.append((w.name, a, b, f"{a / b:.3f}" if b else "-", why_differs(mine, theirs) if a != b else "-"))
     lists.append(f"  {w.name}\n    ours: {_fmt_comm(mine)}\n    XLA:  {_fmt_comm(theirs)}")
   print(f"\n## a. Collective bytes per device per step (mesh {MESHES[8]})\n")
-  print(_table(("case", "ours B", "XLA B", "ours/XLA", "why (collective, per-device array)"),
+  print(table(("case", "ours B", "XLA B", "ours/XLA", "why (collective, per-device array)"),
                rows))
   print("\ncollective lists, kind(axes):bytes\n" + "\n".join(lists))
   fewer = sum(r < 1 for r in ratios)
   more = sum(r > 1 for r in ratios)
-  print(f"\nsummary: ours/XLA bytes geomean {_geomean(ratios):.3f} over {len(ratios)} cases "
+  print(f"\nsummary: ours/XLA bytes geomean {geomean(ratios):.3f} over {len(ratios)} cases "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f}); fewer in {fewer}, same in "
         f"{len(ratios) - fewer - more}, more in {more}")
 
 
 # --- b. step time ------------------------------------------------------------------------------
 
-def _timed(fn: Callable[[], Any]) -> float:
+def timed(fn: Callable[[], Any]) -> float:
   start = time.perf_counter()
   jax.block_until_ready(fn())
   return time.perf_counter() - start
@@ -270,7 +270,7 @@ def section_step_time(quick: bool) -> None:
   rows = []
   for build, sizes in STEP_SIZES["quick" if quick else "full"]:
     w = build(**sizes)
-    args = jax.device_put(w.args, _named(mesh, w.in_specs))
+    args = jax.device_put(w.args, named_shardings(mesh, w.in_specs))
     ours, xla = _programs(w, mesh)
     leaves = jax.tree.leaves(args)
     ours_exe, xla_exe = ours.lower(*args).compile(), xla.lower(*args).compile()
@@ -279,18 +279,18 @@ def section_step_time(quick: bool) -> None:
                   "xla": functools.partial(xla_exe, *args)}
     for fn in contenders.values():
       for _ in range(warmup):
-        _timed(fn)
+        timed(fn)
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(runs):  # interleaved, so drift hits every contender alike
       for k, fn in contenders.items():
-        times[k].append(_timed(fn))
+        times[k].append(timed(fn))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     rows.append((w.name, _fmt_sizes(sizes), f"{med['ours']:.2f}", f"{med['xla']:.2f}",
                  f"{med['ours'] / med['xla']:.3f}", f"{min(times['ours']) / min(times['xla']):.3f}",
                  "/".join(map(str, counts))))
   print(f"\n## b. Steady-state step time, median of {runs} interleaved runs (ms, mesh "
         f"{MESHES[8]})\n")
-  print(_table(("step", "sizes", "ours", "XLA", "ours/XLA", "ours/XLA of fastest runs",
+  print(table(("step", "sizes", "ours", "XLA", "ours/XLA", "ours/XLA of fastest runs",
                 "collectives ours/XLA"), rows))
   print("\nsummary: ours/XLA median step time " +
         ", ".join(f"{r[0]} {r[4]}" for r in rows))
@@ -312,8 +312,8 @@ def compile_child(devices: int) -> dict[str, dict[str, float]]:
     f.lower(*w.args).compile()
     done = time.perf_counter()
     jax.clear_caches()
-    xla = jax.jit(w.fn, in_shardings=_named(mesh, w.in_specs),
-                  out_shardings=_named(mesh, out_specs))
+    xla = jax.jit(w.fn, in_shardings=named_shardings(mesh, w.in_specs),
+                  out_shardings=named_shardings(mesh, out_specs))
     xla.lower(*w.args).compile()
     out[w.name] = {"ours": done - start, "plan": planned - start,
                    "xla": time.perf_counter() - done}
@@ -339,7 +339,7 @@ def section_compile_time(quick: bool) -> None:
   print(f"\n## c. Compile time, median of {rounds} fresh compiles, one process per device count "
         f"and round (s; meshes {MESHES[8]} and {MESHES[64]}; in parentheses: trace + propagate "
         f"+ plan)\n")
-  print(_table(("step", "ours 8 dev", "ours 64 dev", "ours 64/8", "XLA 8 dev", "XLA 64 dev",
+  print(table(("step", "ours 8 dev", "ours 64 dev", "ours 64/8", "XLA 8 dev", "XLA 64 dev",
                 "XLA 64/8"), rows))
   print("\nsummary: ours compile time 64/8 devices " + ", ".join(f"{r[0]} {r[3]}" for r in rows)
         + "; XLA's " + ", ".join(f"{r[0]} {r[6]}" for r in rows))

@@ -1,0 +1,123 @@
+"""The Transformer LM's training step under each rule set (spmd.models.transformer.RULES), ours
+side by side with ``jax.jit`` given the same shardings and the same rules for the model's logical
+constraints.
+
+    python benchmarks/strategies.py [--quick]
+
+Per strategy, on a (data=2, model=4) mesh of 8 simulated CPU devices: collective bytes per device
+per step read from both compiled programs, median step time of interleaved runs, and the
+per-device memory of params + optimizer state: its analytic value (each leaf's bytes over the
+devices its spec splits it across) beside the compiled programs' argument sizes less the batch.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from typing import Any, Sequence
+
+import run  # sets up the 8 simulated devices before JAX starts; shared table / HLO helpers
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import spmd  # noqa: E402
+from spmd.models import transformer  # noqa: E402
+from spmd.train import create_train_state, make_train_step  # noqa: E402
+
+MESH = {"data": 2, "model": 4}
+SIZES = {"full": (transformer.Config(vocab=256, d_model=256, heads=8, head_dim=32, mlp=1024,
+                                     layers=4), 16, 128),
+         "quick": (transformer.Config(vocab=128, d_model=64, heads=4, head_dim=16, mlp=256,
+                                      layers=2), 8, 32)}
+
+
+def _shards(spec: P, mesh: Mesh) -> int:
+  axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def state_bytes_per_device(state: Any, specs: Any, mesh: Mesh) -> int:
+  """Params + optimizer state bytes one device holds under ``specs`` (resolved mesh axes)."""
+  sizes = jax.tree.map(lambda x, s: x.nbytes // _shards(s, mesh), state, specs,
+                       is_leaf=lambda x: isinstance(x, P))
+  return int(sum(jax.tree.leaves(sizes)))
+
+
+def _xla_program(step: Any, mesh: Mesh, rules: Any, in_specs: Any, out_specs: Any) -> Any:
+  """``jax.jit`` of ``step`` with our resolved boundary specs; the model's logical constraints
+  resolve through the same rules (flax's context), so XLA sees every annotation we see."""
+  jitted = jax.jit(step, in_shardings=run.named_shardings(mesh, in_specs),
+                   out_shardings=run.named_shardings(mesh, out_specs))
+
+  def lower(*args: Any) -> Any:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      return jitted.lower(*args)
+
+  return lower
+
+
+def measure(name: str, config: transformer.Config, batch: int, seq: int, runs: int) -> tuple:
+  mesh = spmd.make_mesh(MESH)
+  rules = transformer.RULES[name]
+  model = transformer.Transformer(config)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1)),
+                       jnp.int32)
+  state, specs = create_train_state(lambda key: model.init(key, tokens[:, :-1])["params"],
+                                    optax.adamw(1e-3), mesh, jax.random.key(0), rules=rules)
+  step = make_train_step(functools.partial(transformer.next_token_loss, model))
+  ours = spmd.partition(step, mesh=mesh, rules=rules, in_specs=(specs, P("act_batch", None)),
+                        out_specs=(specs, P()))
+  plan = ours.plan(state, tokens)
+  resolved = plan.in_specs[0]
+  xla_lower = _xla_program(step, mesh, rules, plan.in_specs, plan.out_specs)
+  tokens = jax.device_put(tokens, NamedSharding(mesh, plan.in_specs[1]))
+  ours_exe, xla_exe = ours.lower(state, tokens).compile(), xla_lower(state, tokens).compile()
+  mine = run.comm_list(ours_exe.as_text(), mesh)
+  theirs = run.comm_list(xla_exe.as_text(), mesh)
+  a, b = sum(n for _, n, _ in mine), sum(n for _, n, _ in theirs)
+  contenders = {"ours": functools.partial(ours_exe, *jax.tree.leaves((state, tokens))),
+                "xla": functools.partial(xla_exe, state, tokens)}
+  times: dict[str, list[float]] = {k: [] for k in contenders}
+  for fn in contenders.values():
+    run.timed(fn)
+  for _ in range(runs):
+    for k, fn in contenders.items():
+      times[k].append(run.timed(fn))
+  med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+  batch_bytes = tokens.nbytes // _shards(plan.in_specs[1], mesh)
+  analytic = state_bytes_per_device(state, resolved, mesh)
+  compiled = [e.memory_analysis().argument_size_in_bytes - batch_bytes
+              for e in (ours_exe, xla_exe)]
+  return (name, a, b, f"{a / b:.3f}" if b else "-", f"{med['ours']:.2f}", f"{med['xla']:.2f}",
+          f"{med['ours'] / med['xla']:.3f}", analytic, compiled[0], compiled[1],
+          state_bytes_per_device(state, jax.tree.map(lambda _: P(), resolved,
+                                                     is_leaf=lambda x: isinstance(x, P)), mesh),
+          run.why_differs(mine, theirs) if a != b else "-")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="smaller model, fewer timed runs")
+  args = parser.parse_args(argv)
+  config, batch, seq = SIZES["quick" if args.quick else "full"]
+  runs = 5 if args.quick else 20
+  rows = [measure(name, config, batch, seq, runs) for name in transformer.RULES]
+  print(f"\n## Transformer training step per strategy (mesh {MESH}; {config}, batch {batch}, "
+        f"seq {seq}; step time: median of {runs} interleaved runs)\n")
+  print(run.table(("strategy", "ours B", "XLA B", "bytes ours/XLA", "ours ms", "XLA ms",
+                   "time ours/XLA", "state B/device (analytic)", "ours compiled", "XLA compiled",
+                   "replicated", "why"), rows))
+  ratios = [float(r[3]) for r in rows if r[3] != "-"]
+  print(f"\nsummary: bytes ours/XLA geomean {run.geomean(ratios):.3f} (max {max(ratios):.3f}); "
+        "time ours/XLA " + ", ".join(f"{r[0]} {r[6]}" for r in rows))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,2 @@
+"""Models whose params and activations name logical axes, each with rule sets per strategy:
+``transformer`` (decoder-only LM, linen), ``mlp`` (deep MLP, NNX)."""
