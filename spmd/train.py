@@ -68,15 +68,16 @@ def create_train_state(init_params: Callable[..., Any], tx: optax.GradientTransf
   return init(*init_args), specs
 
 
-def init_module(create_module: Callable[[], Any], mesh: Mesh, rules: Rules = None) -> Any:
-  """An NNX module built by ``create_module()`` with every variable created sharded as its
-  metadata says (``nnx.with_partitioning`` names, resolved through ``rules``): the constructor runs
-  as a partitioned program, so no variable is ever whole on one device."""
+def init_module(create: Callable[[], Any], mesh: Mesh, rules: Rules = None) -> Any:
+  """The NNX module(s) ``create()`` returns (a module, or e.g. a model and its
+  ``nnx.Optimizer``), every variable created sharded as its metadata says
+  (``nnx.with_partitioning`` names, resolved through ``rules``): the constructor runs as a
+  partitioned program, so no variable is ever whole on one device."""
   nnx = sys.modules["flax.nnx"]
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), flax_spmd.logical_axis_rules(
       tuple(rules or ())):
-    graphdef, abstract = nnx.split(nnx.eval_shape(create_module))
-  build = spmd.api.partition(lambda: nnx.state(create_module()), mesh=mesh, rules=rules,
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  build = spmd.api.partition(lambda: nnx.state(create()), mesh=mesh, rules=rules,
                              out_specs=nnx.get_partition_spec(abstract))
   return nnx.merge(graphdef, build())
 
