@@ -31,8 +31,18 @@ def setup_devices(cpu_devices: int | None) -> None:
 
 def demo(args: argparse.Namespace) -> int:
   setup_devices(args.cpu_devices)
-  from spmd.demo import run_demo  # only after the device setup
-  return run_demo()
+  from spmd.demo import DemoOptions, run_demo  # only after the device setup
+  return run_demo(DemoOptions(mesh=args.mesh, strategy=args.strategy, size=args.size,
+                              steps=args.steps))
+
+
+def mesh_axes(text: str) -> dict[str, int]:
+  """``data=2,model=4`` as {"data": 2, "model": 4}."""
+  try:
+    return {name: int(size) for name, size in (part.split("=") for part in text.split(","))}
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected axis=size pairs like data=2,model=4, got "
+                                     f"{text!r}") from None
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -44,11 +54,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="spmd", description="GSPMD-style partitioning for JAX.")
   commands = parser.add_subparsers(dest="command", required=True)
   demo_parser = commands.add_parser(
-      "demo", help="partition an MLP training step over the machine's accelerators (or "
-      f"{DEMO_DEVICES} simulated CPU devices where it has none), print its plan and check it "
-      "against the unpartitioned step")
+      "demo", help="train a character-level Transformer LM sharded over the machine's "
+      f"accelerators (or {DEMO_DEVICES} simulated CPU devices where it has none): plan, the "
+      "first steps checked against the unpartitioned step, progress, a sample")
   demo_parser.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                            help="simulate N CPU devices even where accelerators exist")
+  demo_parser.add_argument("--mesh", type=mesh_axes, default=None, metavar="data=D,model=M",
+                           help="mesh axes (default: up to 4-way model, data over the rest)")
+  demo_parser.add_argument("--strategy", default="2d", choices=("dp", "fsdp", "megatron", "2d",
+                                                                 "sp"),
+                           help="rule set of spmd.models.transformer.RULES (default: 2d)")
+  demo_parser.add_argument("--size", default="small", choices=("tiny", "small", "base"))
+  demo_parser.add_argument("--steps", type=int, default=300)
   demo_parser.set_defaults(run=demo)
   launch_parser = commands.add_parser(
       "launch", help="run a script in N local processes joined by jax.distributed (simulated "

@@ -1,115 +1,168 @@
-"""The ``python -m spmd demo`` job: a Megatron-sharded MLP training step (forward, backward and
-AdamW) on a ("data", "model") mesh of every device (2 x 4 on 8 devices), checked against the
-unpartitioned step."""
+"""The ``python -m spmd demo`` job: a character-level Transformer LM (spmd.models.transformer)
+trained on generated sentences, sharded by one of the model's rule sets over a ("data", "model")
+mesh of every device: plan summary, the first steps checked against the unpartitioned step, a
+progress bar, the loss falling, and a sample at the end."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import sys
+import time
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.train import optimizer_specs
+from spmd.models import transformer
+from spmd.text import CharVocab, sentences, windows
+from spmd.train import create_train_state, make_train_step
 
-MODEL_WAYS = 4  # the "model" axis on 8 devices; data parallel over the rest
-BATCH, D_IN, HIDDEN, CLASSES, STEPS = 16, 32, 64, 10, 3
-RTOL, ATOL = 1e-4, 1e-5  # float32; AdamW amplifies reduction-order noise in tiny gradients
-
-# Megatron: W1 split by columns, W2 by rows, so the hidden layer never leaves its "model" shard.
-PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
-BATCH_SPECS = (P("data", None), P("data"))
-
-Params = dict[str, jax.Array]
-
-
-def mlp(params: Params, x: jax.Array) -> jax.Array:
-  h = jax.nn.gelu(x @ params["w1"] + params["b1"])
-  return h @ params["w2"] + params["b2"]
-
-
-def make_train_step(opt: optax.GradientTransformation) -> Callable:
-  """One step: softmax cross-entropy loss, its gradient, and an ``opt`` update."""
-
-  def loss_fn(params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), labels).mean()
-
-  def train_step(params: Params, opt_state: Any, x: jax.Array,
-                 labels: jax.Array) -> tuple[Params, Any, jax.Array]:
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, labels)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return train_step
+MODEL_WAYS = 4  # the default "model" axis; data parallel over the rest
+SIZES = {
+    "tiny": dict(d_model=32, heads=4, head_dim=8, mlp=64, layers=1),
+    "small": dict(d_model=64, heads=4, head_dim=16, mlp=256, layers=2),
+    "base": dict(d_model=256, heads=8, head_dim=32, mlp=1024, layers=4),
+}
+BATCH, SEQ, LEARNING_RATE = 16, 64, 3e-3
+# float32. Adam divides each gradient by its own magnitude, so reduction-order noise in a gradient
+# that is zero up to rounding moves its param by a fraction of the learning rate: params are
+# compared to a quarter of it, the loss (which every earlier update feeds) tightly.
+RTOL, LOSS_ATOL, PARAM_ATOL = 1e-4, 1e-6, LEARNING_RATE / 4
+PROMPT = "The cat "
 
 
-def init_params(rng: np.random.Generator) -> Params:
-  def normal(*shape: int) -> jax.Array:
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[0]))
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+  mesh: dict[str, int] | None = None   # None: MODEL_WAYS-way "model", "data" over the rest
+  strategy: str = "2d"
+  size: str = "small"
+  steps: int = 300
+  check_steps: int = 2
+  sample_chars: int = 120
+  seed: int = 0
 
-  return {"w1": normal(D_IN, HIDDEN), "b1": jnp.zeros(HIDDEN), "w2": normal(HIDDEN, CLASSES),
-          "b2": jnp.zeros(CLASSES)}
+
+def default_mesh(devices: int) -> dict[str, int]:
+  """A 2-D mesh over ``devices``: up to MODEL_WAYS-way "model", "data" over the rest."""
+  model = math.gcd(devices, MODEL_WAYS)
+  return {"data": devices // model, "model": model}
 
 
-def compare(got: Any, want: Any) -> tuple[float, list[str]]:
+def compare(got: Any, want: Any, atol: float) -> tuple[float, list[str]]:
   """The largest absolute difference over matching leaves, and the leaves not ``allclose``."""
   diff, bad = 0.0, []
   for (path, g), w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want)):
     g, w = np.asarray(g), np.asarray(w)
     diff = max(diff, float(np.max(np.abs(g - w))))
-    if not np.allclose(g, w, rtol=RTOL, atol=ATOL):
+    if not np.allclose(g, w, rtol=RTOL, atol=atol):
       bad.append(jax.tree_util.keystr(path))
   return diff, bad
 
 
-def mesh_axes(devices: int) -> dict[str, int]:
-  """A 2-D mesh over ``devices``: up to MODEL_WAYS-way Megatron, data parallel over the rest."""
-  model = math.gcd(devices, MODEL_WAYS)
-  return {"data": devices // model, "model": model}
+def bytes_per_device(tree: Any) -> int:
+  """Bytes of ``tree``'s arrays that one device holds (its first addressable shard of each)."""
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
-def run_demo() -> int:
-  """Partitions the step, prints its plan, runs ``STEPS`` steps against the unpartitioned step.
+def progress(step: int, steps: int, loss: float, seconds: float, tokens: int) -> str:
+  done = int(30 * step / steps)
+  return (f"step {step:4d}/{steps} [{'#' * done}{'.' * (30 - done)}] loss {loss:.3f}  "
+          f"{seconds * 1e3:6.1f} ms/step  {tokens / seconds:9,.0f} tokens/s")
 
-  Returns 0 if losses, parameters and optimizer state agree (numpy ``allclose``), 1 otherwise.
-  """
-  axes = mesh_axes(jax.device_count())
+
+def sample(apply: Callable, params: Any, vocab: CharVocab, prompt: str, count: int,
+           rng: jax.Array) -> str:
+  """``count`` characters after ``prompt``, drawn at temperature 0.8 from a window of SEQ."""
+  ids = list(vocab.encode(prompt))
+  pad = vocab.encode("\n")[0]
+  for _ in range(count):
+    window = ([pad] * SEQ + ids)[-SEQ:]
+    logits = apply(params, jnp.asarray([window], jnp.int32))[0, -1, :len(vocab.chars)]
+    rng, key = jax.random.split(rng)
+    ids.append(int(jax.random.categorical(key, logits / 0.8)))
+  return vocab.decode(np.array(ids))
+
+
+def run_demo(options: DemoOptions = DemoOptions()) -> int:
+  """Trains for ``options.steps`` steps. Returns 0 if the first ``check_steps`` agree with the
+  unpartitioned step (numpy ``allclose``) and the loss fell, 1 otherwise."""
+  axes = options.mesh or default_mesh(jax.device_count())
   mesh = spmd.make_mesh(axes)
-  opt = optax.adamw(learning_rate=1e-2, weight_decay=1e-2)
-  train_step = make_train_step(opt)
-  rng = np.random.default_rng(0)
-  params = init_params(rng)
-  opt_state = opt.init(params)
-  opt_specs = optimizer_specs(opt, opt_state, PARAM_SPECS)  # moments follow their params
-  state_specs = (PARAM_SPECS, opt_specs)
-  step = spmd.partition(train_step, mesh=mesh, in_specs=state_specs + BATCH_SPECS,
-                        out_specs=state_specs + (P(),))
+  rules = transformer.RULES[options.strategy]
+  text = sentences(4000, seed=options.seed)
+  vocab = CharVocab.of(text, multiple_of=axes.get("model", 1))
+  ids = vocab.encode(text)
+  config = transformer.Config(vocab=vocab.size, max_len=SEQ, **SIZES[options.size])
+  model = transformer.Transformer(config)
+  rng = np.random.default_rng(options.seed)
+  batches = lambda: jnp.asarray(windows(ids, BATCH, SEQ + 1, rng))  # noqa: E731
+
+  tx = optax.adamw(LEARNING_RATE, weight_decay=1e-2)
+  init = lambda key: model.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]  # noqa: E731
+  state, specs = create_train_state(init, tx, mesh, jax.random.key(options.seed), rules=rules)
+  loss_fn = functools.partial(transformer.next_token_loss, model)
+  train_step = make_train_step(loss_fn)
+  step = spmd.partition(train_step, mesh=mesh, rules=rules, donate_argnums=0,
+                        in_specs=(specs, P("act_batch", None)), out_specs=(specs, P()))
+  batch = batches()
+  plan = step.plan(state, batch)
+  replicated = sum(x.nbytes for x in jax.tree.leaves(state))
+  print(f"Transformer LM {options.size} ({sum(x.size for x in jax.tree.leaves(state.params)):,} "
+        f"params, vocab {vocab.size}, seq {SEQ}, batch {BATCH}), strategy {options.strategy!r} "
+        f"on {mesh.devices.size} {jax.default_backend()} devices {axes}")
+  print(plan.explain())
+  print(f"params + optimizer state per device: {bytes_per_device(state) / 2**20:.2f} MiB "
+        f"(replicated: {replicated / 2**20:.2f} MiB)\n")
+
   reference = jax.jit(train_step)
+  want = jax.jit(lambda key: TrainState.create(apply_fn=None, params=nn.unbox(init(key)),
+                                               tx=tx))(jax.random.key(options.seed))
+  losses: list[float] = []
+  start = time.perf_counter()
+  for i in range(options.steps):
+    if i:
+      batch = batches()
+    tick = time.perf_counter()
+    state, loss = step(state, batch)
+    losses.append(float(loss))  # waits for the step
+    if i < options.check_steps:
+      want, want_loss = reference(want, batch)
+      loss_diff, bad = compare(loss, want_loss, LOSS_ATOL)
+      diff, bad_state = compare(state, want, PARAM_ATOL)
+      print(f"step {i}: loss {losses[-1]:.6f}  unpartitioned {float(want_loss):.6f}  "
+            f"max |diff| loss {loss_diff:.1e}, state {diff:.1e}")
+      if bad or bad_state:
+        print(f"FAILED: step {i} differs from the unpartitioned step (rtol={RTOL:.0e}; atol "
+              f"{LOSS_ATOL:.0e} for the loss, {PARAM_ATOL:.0e} for the state) in "
+              f"{', '.join(bad + bad_state) or 'the loss'}", file=sys.stderr)
+        return 1
+      continue
+    line = progress(i + 1, options.steps, losses[-1], time.perf_counter() - tick, BATCH * SEQ)
+    last = i + 1 == options.steps
+    if sys.stdout.isatty():
+      print("\r" + line, end="\n" if last else "", flush=True)
+    elif last or (i + 1) % 50 == 0:
+      print(line, flush=True)
+  seconds = time.perf_counter() - start
 
-  batches = [(jnp.asarray(rng.standard_normal((BATCH, D_IN), dtype=np.float32)),
-              jnp.asarray(rng.integers(0, CLASSES, BATCH, dtype=np.int32)))
-             for _ in range(STEPS)]
-  print(step.plan(params, opt_state, *batches[0]).explain())
-  print()
-
-  ref_params, ref_state = params, opt_state
-  for i, (x, labels) in enumerate(batches):
-    params, opt_state, loss = step(params, opt_state, x, labels)
-    ref_params, ref_state, ref_loss = reference(ref_params, ref_state, x, labels)
-    diff, bad = compare({"loss": loss, "params": params, "opt_state": opt_state},
-                        {"loss": ref_loss, "params": ref_params, "opt_state": ref_state})
-    print(f"step {i}: loss {float(loss):.6f}  unpartitioned {float(ref_loss):.6f}  "
-          f"max |diff| {diff:.1e}")
-    if bad:
-      print(f"FAILED: step {i} differs from the unpartitioned step (rtol={RTOL:.0e}, "
-            f"atol={ATOL:.0e}) in {', '.join(bad)}", file=sys.stderr)
-      return 1
-
-  devices = mesh.devices.size
-  print(f"OK: {STEPS} partitioned training steps on {devices} {jax.default_backend()} devices "
-        f"{axes} match the unpartitioned step (numpy allclose, rtol={RTOL:.0e}, atol={ATOL:.0e})")
+  window = max(1, min(10, options.steps // 4))
+  first, final = np.mean(losses[:window]), np.mean(losses[-window:])
+  apply = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
+  text = sample(apply, state.params, vocab, PROMPT, options.sample_chars,
+                jax.random.key(options.seed))
+  print(f"\nsample: {text!r}\n")
+  if not final < first:
+    print(f"FAILED: the loss did not fall ({first:.3f} -> {final:.3f})", file=sys.stderr)
+    return 1
+  print(f"OK: {options.steps} partitioned training steps on {mesh.devices.size} "
+        f"{jax.default_backend()} devices {axes} ({options.strategy}) in {seconds:.1f} s; the "
+        f"first {options.check_steps} match the unpartitioned step; loss {first:.3f} -> "
+        f"{final:.3f}")
   return 0
