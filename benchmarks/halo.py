@@ -71,6 +71,9 @@ def cases(h: int) -> list[Case]:
                                                      ((0, 0), (1, 1), (0, 0), (0, 0))),
            (1, h, c, 8), None, None),
       Case("jnp.roll by 1", lambda x, k: jnp.roll(x, 1, axis=1), (1, h, c, 8), None, None),
+      Case("jnp.roll by -3", lambda x, k: jnp.roll(x, -3, axis=1), (1, h, c, 8), None, None),
+      Case("jnp.roll by 100 (past a shard)", lambda x, k: jnp.roll(x, 100, axis=1), (1, h, c, 8),
+           None, None),
       Case("conv weight gradient", lambda x, k: jax.grad(
           lambda k, x: (conv(x, k) ** 2).sum())(k, x), (1, h, c, 4), (3, 3, 4, 4), None),
   ]
