@@ -1,2 +1,3 @@
 """Models whose params and activations name logical axes, each with rule sets per strategy:
-``transformer`` (decoder-only LM, linen), ``mlp`` (deep MLP, NNX)."""
+``transformer`` (decoder-only LM, linen), ``moe`` (GShard mixture of experts, linen), ``mlp`` (deep
+MLP, NNX)."""
