@@ -130,6 +130,7 @@ class _Engine:
     self.changed_at: dict[Value, int] = {}
     self.applied_at: dict[int, int] = {}
     self.broadcasting = False
+    self.deferred: set[int] = set()  # constraints that left a broadcast's operand out
 
   def dims_of(self, v: Value) -> list[Axes]:
     if v not in self.dims:
@@ -140,7 +141,8 @@ class _Engine:
     for level in (0, 1, 2):
       active = [c for c in constraints if level or c.rule.pass_through]
       self.broadcasting = level == 2
-      self.applied_at.clear()  # a later level may write what an earlier one could not
+      for key in self.deferred if self.broadcasting else ():
+        self.applied_at.pop(key, None)  # now they may write what they could not before
       changed = True
       while changed:
         changed = False
@@ -161,6 +163,7 @@ class _Engine:
       if v is None or tf is None:
         continue
       if rule.pass_through and not self.broadcasting and math.prod(v.shape) < largest:
+        self.deferred.add(id(c))
         continue  # a broadcast's small operand donates last (as XLA's propagation does)
       dims, closed, size = self.dims_of(v), self.closed.get(v, frozenset()), math.prod(v.shape)
       for d, factors in enumerate(tf):
