@@ -1,6 +1,7 @@
 """spmd.partition: trace → propagate → plan → lower, cached per argument avals and specs."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import numbers
@@ -22,6 +23,7 @@ from spmd.partition.ir import build_program
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.planner import Analysis, Boundary, analyze
+from spmd.partition.search import search
 from spmd.partition.sharding import TensorSharding, mesh_text
 from spmd.plan import Plan
 
@@ -31,7 +33,8 @@ BACKENDS = ("spmd", "xla")
 def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
               out_specs: Any = None, rules: Sequence[tuple[str, Any]] | None = None,
               static_argnums: int | Sequence[int] = (),
-              donate_argnums: int | Sequence[int] = (), backend: str = "spmd") -> Any:
+              donate_argnums: int | Sequence[int] = (), backend: str = "spmd",
+              auto: bool = False, memory_limit: int | None = None) -> Any:
   """Partitions ``fun`` over ``mesh``: one SPMD program for every device.
 
   ``in_specs`` / ``out_specs`` are pytree prefixes of the (non-static) arguments / the outputs
@@ -47,13 +50,19 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   ``backend="spmd"`` (default) emits one ``jax.jit(jax.shard_map(...))`` program in which every
   collective is one spmd chose (the plan lists them exactly); ``backend="xla"`` jits the program
   with the propagated shardings as constraints and lets XLA's partitioner communicate.
+
+  ``auto=True``: the open leaves of ``in_specs`` are chosen by a search over candidate shardings
+  (``spmd/partition/search.py``) that minimises the plan's per-call bytes with the inputs' bytes
+  per device at most ``memory_limit`` (None: no limit); ``plan.search`` says what it chose.
+  Given specs, committed arguments and annotations are kept; open outputs follow propagation.
   """
   if fun is None:
     return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              rules=rules, static_argnums=static_argnums,
-                             donate_argnums=donate_argnums, backend=backend)
+                             donate_argnums=donate_argnums, backend=backend, auto=auto,
+                             memory_limit=memory_limit)
   return Partitioned(fun, mesh, in_specs, out_specs, _ints(static_argnums, "static_argnums"),
-                     _ints(donate_argnums, "donate_argnums"), backend, rules)
+                     _ints(donate_argnums, "donate_argnums"), backend, rules, auto, memory_limit)
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,8 @@ class Partitioned:
 
   def __init__(self, fun: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
                static_argnums: tuple[int, ...], donate_argnums: tuple[int, ...], backend: str,
-               rules: Sequence[tuple[str, Any]] | None = None):
+               rules: Sequence[tuple[str, Any]] | None = None, auto: bool = False,
+               memory_limit: int | None = None):
     if not callable(fun):
       raise TypeError(f"spmd.partition: fun must be callable, got {fun!r}")
     if not isinstance(mesh, Mesh):
@@ -79,6 +89,7 @@ class Partitioned:
       raise ValueError(f"spmd.partition: backend must be one of {BACKENDS}, got {backend!r}")
     self.fun, self.mesh, self.backend = fun, mesh, backend
     self.in_specs, self.out_specs = in_specs, out_specs
+    self.auto, self.memory_limit = auto, memory_limit
     self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
     self._mesh_shape = mesh_shape(mesh)
     self._rules = AxisRules.of(rules, mesh.axis_names)
@@ -157,7 +168,7 @@ class Partitioned:
     kept = {i % count for i in self.static_argnums}
     static = tuple(1 + sum(1 for j in range(i) if j not in positions) for i in sorted(kept))
     return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, (),
-                       self.backend, self._rules.rules)
+                       self.backend, self._rules.rules, self.auto, self.memory_limit)
 
   # --- tracing and caching -------------------------------------------------------------------
 
@@ -194,12 +205,15 @@ class Partitioned:
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
                 for name, spec in zip(leaf_names, requested)]
+      # auto=True ties open leaves by shape, dtype and last pytree key
+      ties = tuple((aval.shape, aval.dtype, path[-1]) for (path, _), aval in zip(with_paths, avals))
       self._cache[key] = self._build(args, statics, dyn_idx, in_tree, avals, labels, given,
-                                     arrivals)
+                                     arrivals, ties)
     return self._cache[key], leaves
 
   def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, avals: tuple,
-             leaf_names: list[str], given: tuple, arrivals: tuple) -> _Compiled:
+             leaf_names: list[str], given: tuple, arrivals: tuple,
+             ties: tuple) -> _Compiled:
     out_store: list[Any] = []
 
     def flat_fun(*flat: Any) -> list:
@@ -226,11 +240,17 @@ class Partitioned:
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
-    analysis = analyze(program, boundary, self._mesh_shape,
-                       platform=self.mesh.devices.flat[0].platform,
-                       resolve=self._rules.resolve, backend=self.backend,
-                       name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
-                       out_tree=out_tree)
+    evaluate = functools.partial(analyze, program, mesh=self._mesh_shape,
+                                 platform=self.mesh.devices.flat[0].platform,
+                                 resolve=self._rules.resolve, backend=self.backend,
+                                 name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
+                                 out_tree=out_tree)
+    if self.auto:
+      analysis, report = search(boundary, ties, self._mesh_shape, self.memory_limit, evaluate)
+      analysis = dataclasses.replace(analysis,
+                                     plan=dataclasses.replace(analysis.plan, search=report))
+    else:
+      analysis = evaluate(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     fn = lower(analysis, with_auto_axes(self.mesh), donated)

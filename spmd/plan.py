@@ -129,6 +129,58 @@ class Table:
     return f"<table><thead>{row(self.header, 'th')}</thead><tbody>{body}</tbody></table>"
 
 
+@dataclass(frozen=True)
+class SearchVariable:
+  """One choice of ``partition(auto=True)``: open inputs tied together (same shape, dtype and
+  last pytree key), the specs it could take, and the spec each input has in the chosen plan."""
+
+  inputs: tuple[str, ...]
+  candidates: tuple[Any, ...]
+  chosen: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Search:
+  """What ``partition(auto=True)`` searched. Bytes are ``step_bytes`` of whole plans:
+  ``step_bytes`` of the chosen one, ``propagation_bytes`` with the open inputs left to
+  propagation, ``ilp_bytes`` of the integer program's answer (``predicted_bytes`` is its own
+  linearised estimate); ``from_ilp`` says the chosen plan is that answer (else it is one of the
+  single-variable plans priced for the integer program's costs). ``memory_bytes``: per device,
+  of the chosen plan's inputs."""
+
+  variables: tuple[SearchVariable, ...]
+  plans_priced: int
+  solver_seconds: float
+  seconds: float
+  step_bytes: int
+  propagation_bytes: int
+  predicted_bytes: int
+  ilp_bytes: int
+  memory_bytes: int
+  memory_limit: int | None
+  from_ilp: bool
+
+  @property
+  def candidates(self) -> int:
+    return sum(len(v.candidates) for v in self.variables)
+
+  def lines(self) -> list[str]:
+    limit = "no limit" if self.memory_limit is None else f"limit {fmt_bytes(self.memory_limit)}"
+    chosen = "the integer program's answer" if self.from_ilp else "a single-variable plan"
+    head = (f"auto sharding: {len(self.variables)} variables, {self.candidates} candidates, "
+            f"{self.plans_priced} plans priced in {self.seconds:.1f} s (solver "
+            f"{self.solver_seconds:.3f} s); chose {chosen}: {fmt_bytes(self.step_bytes)} per "
+            f"call (propagation alone {fmt_bytes(self.propagation_bytes)}), inputs "
+            f"{fmt_bytes(self.memory_bytes)} per device ({limit})")
+    return [head] + [f"  {_spec_text(v.chosen)}: {v.inputs[0]}"
+                     + (f" and {len(v.inputs) - 1} tied" if len(v.inputs) > 1 else "")
+                     for v in self.variables]
+
+
+def _spec_text(specs: tuple[Any, ...]) -> str:
+  return " / ".join(str(s) for s in dict.fromkeys(specs))
+
+
 SMALL = 40         # programs of at most this many rows show their op table by default
 MAX_GROUPS = 12    # the summary by layer shows at most this many layers
 
@@ -149,6 +201,7 @@ class Plan:
   in_specs: Any
   out_specs: Any
   name: str = "f"
+  search: Search | None = None
 
   def bytes_by_kind(self) -> dict[str, int]:
     totals: Counter = Counter()
@@ -247,7 +300,7 @@ class Plan:
     a summary (collectives by kind, bytes by layer); ``full=True`` adds the op table to a
     summary, ``full=False`` shows only the summary. Totals and warnings end it."""
     summary, table = self._show(full)
-    lines = [self.title()]
+    lines = [self.title()] + (self.search.lines() if self.search else [])
     if summary:
       lines.append(f"{len(self.rows)} ops, {len(self.collectives)} collectives; per device:")
       lines += self.kind_table().text("  ")
@@ -271,6 +324,8 @@ class Plan:
     """Jupyter: the summary tables, the op table folded (open for a small program)."""
     summary, table = self._show(None)
     parts = [f"<p><b>{html.escape(self.title())}</b></p>"]
+    parts += [f"<pre>{html.escape(line)}</pre>" for line in (self.search.lines()
+                                                              if self.search else [])]
     if summary:
       parts += ["<p>collectives per device</p>", self.kind_table().html(),
                 "<p>by layer (bytes per call per device)</p>", self.group_table().html()]

@@ -1,0 +1,161 @@
+"""partition(auto=True): the search's plan moves no more bytes than the best hand-written rule set
+that fits the same memory limit (priced by the same planner), and its step equals the
+unpartitioned one."""
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import assert_trees_match
+from spmd.models import transformer
+from spmd.train import make_train_step, state_specs
+
+MESH = {"data": 2, "model": 4}
+FEATURES, HIDDEN, PAIRS, BATCH = 32, 128, 2, 256
+LEARNING_RATE = 1e-2
+MLP_NAMES = {"up": [{"kernel": P("embed", "mlp"), "bias": P("mlp")}] * PAIRS,
+             "down": [{"kernel": P("mlp", "embed"), "bias": P("embed")}] * PAIRS}
+_MEGATRON = (("act_batch", "data"), ("mlp", "model"))
+MLP_RULES = {  # unnamed logical axes are replicated
+    "dp": (("act_batch", ("data", "model")), ("embed", None), ("mlp", None)),
+    "fsdp": (("act_batch", ("data", "model")), ("embed", ("data", "model")), ("mlp", None)),
+    "megatron": _MEGATRON + (("embed", None),),
+    "2d": _MEGATRON + (("embed", "data"),),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh():
+  return spmd.make_mesh(MESH)
+
+
+def _mlp_loss(params: dict, batch: tuple) -> jax.Array:
+  """spmd.models.mlp's residual MLP as a function of plain params."""
+  x, y = batch
+  for up, down in zip(params["up"], params["down"]):
+    x = x + jax.nn.gelu(x @ up["kernel"] + up["bias"]) @ down["kernel"] + down["bias"]
+  return jnp.mean((x - y) ** 2)
+
+
+def _mlp_problem():
+  rng = np.random.default_rng(0)
+
+  def layer(n_in: int, n_out: int) -> dict:
+    kernel = rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)
+    return {"kernel": jnp.asarray(kernel, jnp.float32), "bias": jnp.zeros((n_out,))}
+
+  params = {"up": [layer(FEATURES, HIDDEN) for _ in range(PAIRS)],
+            "down": [layer(HIDDEN, FEATURES) for _ in range(PAIRS)]}
+  state = TrainState.create(apply_fn=None, params=params, tx=optax.adamw(LEARNING_RATE))
+  x = jnp.asarray(rng.standard_normal((BATCH, FEATURES)), jnp.float32)
+  return make_train_step(_mlp_loss), state, (x, jnp.sin(x))
+
+
+def _memory(plan: spmd.Plan, args: tuple) -> int:
+  """Per-device bytes of the arguments as the plan shards them."""
+  specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, P))
+  total = 0
+  for leaf, spec in zip(map(jnp.asarray, jax.tree.leaves(args)), specs):
+    shards = [math.prod(MESH[a] for a in ((e,) if isinstance(e, str) else e or ()))
+              for e in tuple(spec) + (None,) * (leaf.ndim - len(spec))]
+    total += math.prod(-(-n // s) for n, s in zip(leaf.shape, shards)) * leaf.dtype.itemsize
+  return total
+
+
+def _rule_sets(step, state, batch, names, rule_sets) -> dict[str, tuple[int, int]]:
+  """(bytes per call, memory per device) of each rule set's plan."""
+  specs = state_specs(state, names)
+  out = {}
+  for name, rules in rule_sets.items():
+    plan = spmd.partition(step, mesh=_mesh(), rules=rules, in_specs=(specs, P("act_batch", None)),
+                          out_specs=(specs, P())).plan(state, batch)
+    out[name] = plan.step_bytes, _memory(plan, (state, batch))
+  return out
+
+
+def _check_search(step, state, batch, limit, rule_sets) -> spmd.Plan:
+  """The search's plan fits ``limit``, moves no more than the best fitting rule set and its
+  step equals the unpartitioned one."""
+  f = spmd.partition(step, mesh=_mesh(), auto=True, memory_limit=limit,
+                     in_specs=(None, P("data", None)))
+  plan = f.plan(state, batch)
+  fitting = {k: b for k, (b, m) in rule_sets.items() if limit is None or m <= limit}
+  assert fitting, rule_sets
+  assert plan.step_bytes <= min(fitting.values()), (plan.explain(full=False), rule_sets)
+  assert plan.search.step_bytes == plan.step_bytes
+  assert plan.search.memory_bytes == _memory(plan, (state, batch))
+  assert limit is None or plan.search.memory_bytes <= limit
+  assert "auto sharding:" in plan.explain()
+  new_state, loss = f(state, batch)
+  want_state, want_loss = jax.jit(step)(state, batch)
+  assert_trees_match(loss, want_loss, rtol=1e-5, atol=1e-6)
+  # Adam turns rounding noise in near-zero gradients into a fraction of the learning rate: params
+  # to a quarter of it, as in test_models.py; the moments tightly
+  assert_trees_match(new_state.params, want_state.params, rtol=1e-4, atol=LEARNING_RATE / 4)
+  assert_trees_match(new_state.opt_state, want_state.opt_state, rtol=1e-4, atol=1e-6)
+  return plan
+
+
+@pytest.fixture(scope="module")
+def mlp_problem():
+  step, state, batch = _mlp_problem()
+  return step, state, batch, _rule_sets(step, state, batch, MLP_NAMES, MLP_RULES)
+
+
+def test_mlp_without_limit_beats_every_rule_set(mlp_problem):
+  step, state, batch, rule_sets = mlp_problem
+  # Megatron moves 3 activation all-reduces (16 KiB each) and the gradients of the unsplit
+  # params; data parallel every gradient (66.8 KB): Megatron is the best rule set here.
+  assert min(rule_sets, key=lambda k: rule_sets[k][0]) == "megatron"
+  _check_search(step, state, batch, None, rule_sets)
+
+
+def test_mlp_memory_limit_rules_out_replicated_params(mlp_problem):
+  step, state, batch, rule_sets = mlp_problem
+  limit = 80_000  # replicated state holds ~200 KB, Megatron's ~100 KB: 2-D is the best that fits
+  assert rule_sets["dp"][1] > limit and rule_sets["megatron"][1] > limit
+  assert min((b, k) for k, (b, m) in rule_sets.items() if m <= limit)[1] == "2d"
+  _check_search(step, state, batch, limit, rule_sets)
+
+
+def test_search_is_deterministic_and_keeps_given_specs(mlp_problem):
+  step, state, batch, _ = mlp_problem
+  specs = state_specs(state, jax.tree.map(lambda _: None, state.params))
+  given = specs.replace(params={"up": [{"kernel": P("data", None), "bias": None}] * PAIRS,
+                                "down": specs.params["down"]})
+  plans = [spmd.partition(step, mesh=_mesh(), auto=True, memory_limit=80_000,
+                          in_specs=(given, P("data", None))).plan(state, batch)
+           for _ in range(2)]
+  assert plans[0].in_specs == plans[1].in_specs
+  assert plans[0].search.variables == plans[1].search.variables
+  assert plans[0].step_bytes == plans[1].step_bytes
+  for params in (p.in_specs[0].params for p in plans):
+    assert all(layer["kernel"] == P("data", None) for layer in params["up"])
+  searched = {name for v in plans[0].search.variables for name in v.inputs}
+  assert "'state'.params['up'][0]['kernel']" not in searched
+  assert "'state'.params['down'][0]['kernel']" in searched
+
+
+TRANSFORMER = transformer.Config(vocab=64, d_model=32, heads=4, head_dim=8, mlp=64, layers=1)
+
+
+def test_transformer_with_only_the_batch_sharded():
+  model = transformer.Transformer(TRANSFORMER)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (8, 17)), jnp.int32)
+  boxed = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+  state = TrainState.create(apply_fn=None, params=nn.unbox(boxed), tx=optax.adamw(LEARNING_RATE))
+  step = make_train_step(functools.partial(transformer.next_token_loss, model))
+  rule_sets = _rule_sets(step, state, tokens, nn.get_partition_spec(boxed),
+                         {k: transformer.RULES[k] for k in ("dp", "fsdp", "megatron", "2d")})
+  limit = rule_sets["dp"][1] // 2  # no room for replicated params and optimizer state
+  _check_search(step, state, tokens, limit, rule_sets)
