@@ -101,6 +101,24 @@ def test_partial_sum_into_a_sharded_consumer_is_a_reduce_scatter(mesh):
   assert kinds in ({"reduce-scatter"}, {"all-reduce"})  # CPU XLA: all-reduce + dynamic-slice
 
 
+def test_einsum_runs_on_its_operands_shards_when_resharding_its_result_is_cheaper(mesh):
+  """GShard's dispatch: mask and tokens split by group, the result [experts, groups, capacity,
+  d_model] pinned split by expert. Run in the result's layout, the mask is all-to-all'd and the
+  tokens gathered over "model" (3x the bytes); run on the local groups, only the result moves."""
+  groups = P(("data", "model"))
+
+  @spmd.partition(mesh=mesh, in_specs=(groups, groups))
+  def f(mask, x):
+    return spmd.annotate(jnp.einsum("gsec,gsm->egcm", mask, x), P("model", "data"))
+
+  mask = jnp.linspace(-1, 1, 8 * 4 * 8 * 2).reshape(8, 4, 8, 2)
+  x = jnp.linspace(0, 1, 8 * 4 * 16).reshape(8, 4, 16)
+  plan, _ = _check(f, mask, x)
+  result = 8 * 8 * 2 * 16 * 4 // 8  # per device
+  assert [(c.kind, c.axes, c.bytes) for c in plan.collectives] == [
+      ("all-to-all", ("model",), result)]
+
+
 @pytest.mark.parametrize("spec", [P("data", "model"), P(("model", "data"), None), P(None, "data")])
 def test_random_numbers_are_bit_identical(mesh, spec):
   def f(key):

@@ -5,7 +5,9 @@ Factors that reach a result take the result's propagated axes; reduction factors
 operands' axes (their results become partial sums); need-replication and permutation factors
 are whole on every device. When a mesh axis is wanted by a reduction factor and a result factor,
 both choices are priced (gather the operands vs reduce-scatter the partial result) and the
-cheaper one is taken.
+cheaper one is taken. So is running in the operands' layout, the result resharded afterwards
+(GShard's dispatch einsum: computed on each device's groups, its result all-to-all'd to the
+expert layout, instead of an all-to-all of the mask and an all-gather of the tokens).
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ class Execution:
 def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
                    price: Price, wire: Wire) -> Execution:
   options = [_execute(c, axes, mesh) for axes in dict.fromkeys(
-      _factor_axes(c, shardings, mesh, reductions_first) for reductions_first in (True, False))]
+      _factor_axes(c, shardings, mesh, reductions_first, operands_first)
+      for reductions_first, operands_first in ((True, False), (False, False), (True, True)))]
   if len(options) == 1:
     return options[0]
 
@@ -71,7 +74,7 @@ def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mes
                                                     wire(v.dtype), mesh))
     return moved
 
-  return min(options, key=cost)
+  return min(options, key=cost)  # the first of equally cheap options
 
 
 def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Execution:
@@ -104,7 +107,9 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
 
 
 def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
-                 reductions_first: bool) -> tuple[Axes, ...]:
+                 reductions_first: bool, operands_first: bool) -> tuple[Axes, ...]:
+  """Axes per factor: the results' (the operands' with ``operands_first``), else the operands';
+  a mesh axis two factors want goes to the reductions first, or to the others."""
   rule = c.rule
   from_results = _projections(c.results, rule.results, shardings, rule, mesh)
   from_operands = _projections(c.operands, rule.operands, shardings, rule, mesh)
@@ -112,7 +117,7 @@ def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh:
   for f, kind in enumerate(rule.kinds):
     if kind in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
       continue
-    if f in from_results:
+    if f in from_results and not (operands_first and f in from_operands):
       chosen[f] = from_results[f][0][1]
     elif f in from_operands:
       chosen[f] = _agreed(from_operands[f])
