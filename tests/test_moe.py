@@ -150,12 +150,12 @@ def test_expert_parallel_dispatch_and_combine_are_all_to_alls():
   assert Counter(c.kind for c in plan.collectives) == {"all-to-all": 4, "all-reduce": 6}
   capacity = moe.capacity(TINY, GROUP_SIZE)
   expert_tokens = TINY.experts * GROUPS * capacity * TINY.d_model * F32 // 8  # per device
-  by_group, by_expert = "P(None, ('data', 'model'), None, None)", "P('model', 'data', None, None)"
-  moves = Counter((r.backward, c.before, c.after, c.axes, c.bytes) for r in plan.rows
-                  for c in r.collectives if c.kind == "all-to-all" and "moe" in r.scope[-1])
-  assert moves == {(backward, *move, ("model",), expert_tokens): 1
-                   for backward in (False, True)
-                   for move in ((by_group, by_expert), (by_expert, by_group))}, moves
+  moves = Counter((r.scope, r.backward, c.axes, c.bytes) for r in plan.rows
+                  for c in r.collectives if c.kind == "all-to-all")
+  dispatch, combine = (("MoELM", "moe", equation) for equation in ("gsec,gsm->egcm",
+                                                                   "gsec,egcm->gsm"))
+  assert moves == {(scope, backward, ("model",), expert_tokens): 1
+                   for scope in (dispatch, combine) for backward in (False, True)}, moves
   params = _param_bytes(MESH["model"])
   assert _reduced(plan, ("data",)) == [params["experts"] // 2] * 2  # w_in, w_out
   assert sum(_reduced(plan, ("data", "model"))) == params["rest"] + F32

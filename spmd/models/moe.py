@@ -54,12 +54,9 @@ RULES: dict[str, tuple[tuple[str, Any], ...]] = {
 }
 
 TOKENS = ("act_group", None, "act_embed")  # [groups, group_size, d_model]
-# [experts, groups, capacity, d_model] where dispatch makes it and combine reads it (on each
-# device's own groups), and where the experts run: the reshard between them is the all-to-all.
-# Pinning both: with BY_EXPERT alone spmd runs the dispatch einsum in its result's layout, so
-# the mask is all-to-all'd and the tokens all-gathered over "model" (3x the bytes).
-BY_GROUP = (None, "act_group", "act_capacity", "act_embed")
-BY_EXPERT = ("act_expert", "act_group", "act_capacity", "act_embed")
+# [experts, groups, capacity, d_model] where the experts run. Dispatch and combine einsums run on
+# each device's own groups, so the reshards to and from it are the all-to-alls.
+EXPERT_TOKENS = ("act_expert", "act_group", "act_capacity", "act_embed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +123,13 @@ class MoE(nn.Module):
     logits = nn.Einsum((c.d_model, c.experts), "gsm,me->gse", use_bias=False,
                        kernel_init=_lecun(("embed", None)), name="router")(x)
     combine, dispatch, aux_loss = route(logits, c.k, capacity(c, x.shape[1]))
-    expert_in = nn.with_logical_constraint(nn.with_logical_constraint(
-        jnp.einsum("gsec,gsm->egcm", dispatch, x), BY_GROUP), BY_EXPERT)
+    expert_in = nn.with_logical_constraint(jnp.einsum("gsec,gsm->egcm", dispatch, x),
+                                           EXPERT_TOKENS)
     h = nn.with_logical_constraint(
         nn.relu(jnp.einsum("egcm,emh->egch", expert_in, w_in)),
         ("act_expert", "act_group", "act_capacity", "act_mlp"))
-    expert_out = nn.with_logical_constraint(nn.with_logical_constraint(
-        jnp.einsum("egch,ehm->egcm", h, w_out), BY_EXPERT), BY_GROUP)
+    expert_out = nn.with_logical_constraint(jnp.einsum("egch,ehm->egcm", h, w_out),
+                                            EXPERT_TOKENS)
     y = nn.with_logical_constraint(jnp.einsum("gsec,egcm->gsm", combine, expert_out), TOKENS)
     return y, aux_loss
 
