@@ -70,6 +70,12 @@ class AxisRules:
     return flax_spmd.logical_axis_rules(self.rules)
 
 
+def rule_set(names: Sequence[str], *sharded: tuple[str, Any]) -> Rules:
+  """Rules ``sharded`` first, then every one of ``names`` replicated (first match wins), so each
+  logical axis a model uses has a rule and an unknown name stays an error."""
+  return tuple(sharded) + tuple((name, None) for name in names)
+
+
 def _names(entry: Any) -> tuple[str, ...]:
   if entry is None or entry is P.UNCONSTRAINED:
     return ()

@@ -20,12 +20,15 @@ maps them to a ("data", "model") mesh for each strategy; every param is replicat
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from spmd.logical import rule_set
 
 Array = jax.Array
 
@@ -34,9 +37,7 @@ ACTIVATION_AXES = ("act_batch", "act_height", "act_width", "act_channels", "act_
 IMAGE = ("act_batch", "act_height", "act_width", "act_channels")
 
 
-def _rules(*sharded: tuple[str, Any]) -> tuple[tuple[str, Any], ...]:
-  """``sharded`` first, then every other logical axis replicated."""
-  return sharded + tuple((name, None) for name in PARAM_AXES + ACTIVATION_AXES)
+_rules = functools.partial(rule_set, PARAM_AXES + ACTIVATION_AXES)
 
 
 # Rule sets over a mesh with axes ("data", "model"), in flax's logical_axis_rules format.

@@ -9,6 +9,7 @@ writes the updated state back, as ``nnx.jit`` does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,13 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import with_logical_constraint  # flax's activation constraint, for NNX too
 
+from spmd.logical import rule_set
+
 PARAM_AXES = ("embed", "mlp")
 ACTIVATION_AXES = ("act_batch", "act_embed", "act_mlp")
 
 
-def _rules(*sharded: tuple[str, Any]) -> tuple[tuple[str, Any], ...]:
-  """``sharded`` first, then every other logical axis replicated (first match wins)."""
-  return sharded + tuple((name, None) for name in PARAM_AXES + ACTIVATION_AXES)
+_rules = functools.partial(rule_set, PARAM_AXES + ACTIVATION_AXES)
 
 
 # Rule sets over a mesh with axes ("data", "model").

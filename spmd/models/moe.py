@@ -22,6 +22,7 @@ the mesh has no "expert" axis).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -30,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spmd.logical import rule_set
+
 Array = jax.Array
 
 PARAM_AXES = ("vocab", "embed", "expert", "mlp")
 ACTIVATION_AXES = ("act_group", "act_embed", "act_expert", "act_capacity", "act_mlp", "act_vocab")
 
 
-def _rules(*sharded: tuple[str, Any]) -> tuple[tuple[str, Any], ...]:
-  """``sharded`` first, then every other logical axis replicated (first match wins)."""
-  return sharded + tuple((name, None) for name in PARAM_AXES + ACTIVATION_AXES)
+_rules = functools.partial(rule_set, PARAM_AXES + ACTIVATION_AXES)
 
 
 # Rule sets over a mesh with axes ("data", "model"), in flax's logical_axis_rules format. Groups

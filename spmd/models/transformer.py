@@ -19,12 +19,15 @@ them to a ("data", "model") mesh for each strategy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from spmd.logical import rule_set
 
 Array = jax.Array
 
@@ -33,10 +36,7 @@ ACTIVATION_AXES = ("act_batch", "act_res_seq", "act_seq", "act_embed", "act_head
                    "act_mlp", "act_vocab")
 
 
-def _rules(*sharded: tuple[str, Any]) -> tuple[tuple[str, Any], ...]:
-  """``sharded`` first, then every other logical axis replicated (first match wins), so each
-  name the model uses has a rule."""
-  return sharded + tuple((name, None) for name in PARAM_AXES + ACTIVATION_AXES)
+_rules = functools.partial(rule_set, PARAM_AXES + ACTIVATION_AXES)
 
 
 # Rule sets over a mesh with axes ("data", "model"), in flax's logical_axis_rules format.
