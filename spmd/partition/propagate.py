@@ -158,14 +158,16 @@ class _Engine:
     self.applied_at[id(c)] = self.clock
     rule = c.rule
     candidates: dict[int, list[_Candidate]] = {}
-    largest = max(math.prod(v.shape) for v in c.tensors() if v is not None)
+    sizes = [math.prod(v.shape) if v is not None else 0 for v in c.tensors()]
+    defer = rule.pass_through and not self.broadcasting
     for pos, (v, tf) in enumerate(zip(c.tensors(), rule.tensors())):
       if v is None or tf is None:
         continue
-      if rule.pass_through and not self.broadcasting and math.prod(v.shape) < largest:
+      size = sizes[pos]
+      if defer and size < max(sizes):
         self.deferred.add(id(c))
         continue  # a broadcast's small operand donates last (as XLA's propagation does)
-      dims, closed, size = self.dims_of(v), self.closed.get(v, frozenset()), math.prod(v.shape)
+      dims, closed = self.dims_of(v), self.closed.get(v, frozenset())
       for d, factors in enumerate(tf):
         for f, axes in project(factors, dims[d], rule.sizes, self.mesh):
           candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, v))

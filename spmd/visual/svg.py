@@ -1,6 +1,7 @@
 """SVG elements as strings: the few shapes the pictures need, escaped, with a text-width guess."""
 from __future__ import annotations
 
+import abc
 import html
 from pathlib import Path
 
@@ -59,11 +60,12 @@ def document(width: float, height: float, body: list[str]) -> str:
           f'font-size="{FONT}">{defs}{"".join(body)}</svg>')
 
 
-class Picture:
+class Picture(abc.ABC):
   """Base of the pictures: ``svg()`` is shown inline by Jupyter and written by ``save``."""
 
+  @abc.abstractmethod
   def svg(self) -> str:
-    raise NotImplementedError
+    """The picture as an SVG document."""
 
   def _repr_svg_(self) -> str:
     return self.svg()
