@@ -189,11 +189,6 @@ def test_step_matches_unpartitioned_and_communicates_as_predicted(name, strategy
     assert sum(c.bytes for c in reduces) == _gradient_bytes(name) + 4
 
 
-@pytest.mark.xfail(strict=True, reason="select_and_scatter_add (max-pool gradient) exchanges a "
-                   "halo its windows never read: halo_geometry.plan_scatter_halos takes the "
-                   "first window covering a block by floor((S*i + lo - w + 1) / s), which counts "
-                   "one window before the block when the division is inexact (ceil is the "
-                   "first window reaching row S*i)")
 def test_max_pool_gradient_of_aligned_windows_exchanges_nothing():
   """The U-Net's 2x2 stride-2 pooling on blocks of an even number of rows: no window crosses a
   block, so neither the pooling nor its gradient needs a neighbour's rows."""

@@ -8,8 +8,12 @@ splits evenly and a halo moves no more than gathering the dim (its reach is enum
 window by window, independently of spmd/partition/halo_geometry.py), the program must exchange
 halos only: no all-gather; on one sharded dim the halo is exactly the rows the windows reach.
 
+The max-pool gradient (select_and_scatter_add) has its own sweep: it exchanges exactly the
+windows (cotangent rows) touching a shard's rows and the input rows those windows read, even or
+uneven, whether or not the windows are aligned with the blocks.
+
 The cases are a fixed sample of the product of the geometry choices (~4,500 programs on one
-sharded dim alone), three in four with an even output: the file runs in under a minute on 2
+sharded dim alone), three in four with an even output: the file runs in about a minute on 2
 cores.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +69,29 @@ class Geometry:
           left, right = max(left, block * i - row), max(right, row - block * (i + 1) + 1)
     return left, right
 
+  def scatter_reach(self, size: int, shards: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The max-pool gradient's reach: the most windows (rows of the cotangent, split like the
+    output) and input rows that the windows touching a shard's own rows read before and after
+    the shard's own, enumerating every window."""
+    out = self.out(size)
+    block, block_out = -(-size // shards), -(-out // shards)
+    windows, rows = [0, 0], [0, 0]
+    for o in range(out):
+      read = [p for p in range(o * self.stride - self.padding[0],
+                               o * self.stride - self.padding[0] + self.window) if 0 <= p < size]
+      for i in {p // block for p in read}:
+        windows = [max(windows[0], block_out * i - o), max(windows[1], o - block_out * (i + 1) + 1)]
+        rows = [max(rows[0], block * i - min(read)), max(rows[1], max(read) - block * (i + 1) + 1)]
+    return (windows[0], windows[1]), (rows[0], rows[1])
+
+  def scatter_halo_suffices(self, size: int, shards: int) -> bool:
+    """Both dims of the max-pool gradient split over every shard, their halos no wider than
+    gathering them."""
+    (wl, wr), (rl, rr) = self.scatter_reach(size, shards)
+    out = self.out(size)
+    return (min(out, size) >= shards  # else a Known gap: dims with fewer rows than shards
+            and wl + wr <= shards * -(-out // shards) and rl + rr <= shards * -(-size // shards))
+
   def halo_suffices(self, size: int, shards: int) -> bool:
     """An even output and a halo no wider than gathering the dim (all of its blocks)."""
     return (self.out(size) % shards == 0
@@ -73,6 +101,8 @@ class Geometry:
 GEOMETRIES = [Geometry(w, s, p, bd, wd) for w, s, p, bd, wd in itertools.product(
     WINDOWS, STRIDES, PADDINGS, DILATIONS, DILATIONS)
               if not (w == 1 and wd == 2)]  # window dilation of a 1-wide window: a duplicate
+POOLS = [g for g in GEOMETRIES  # JAX has no transpose of a dilated max-pool's gradient
+         if g.base_dilation == g.window_dilation == 1]
 
 
 def _name(case: tuple) -> str:
@@ -81,15 +111,15 @@ def _name(case: tuple) -> str:
           f"bd{g.base_dilation}wd{g.window_dilation}-{'x'.join(map(str, size))}")
 
 
-def _cases(sizes, dims, k: int, seed: int):
-  cases = _sample(sizes, dims, k, seed)
+def _cases(sizes, dims, k: int, seed: int, ops=OPS, geometries=GEOMETRIES):
+  cases = _sample(sizes, dims, k, seed, ops, geometries)
   return pytest.mark.parametrize("op,g,size", cases, ids=[_name(c) for c in cases])
 
 
-def _sample(sizes, dims, k: int, seed: int) -> list[tuple]:
+def _sample(sizes, dims, k: int, seed: int, ops, geometries) -> list[tuple]:
   """``k`` cases of the product, drawn with a fixed seed, three in four of them with an even
   output; ``dims(size)``: (rows, shards) of each windowed dim."""
-  cases = [(op, g, size) for op, g, size in itertools.product(OPS, GEOMETRIES, sizes)
+  cases = [(op, g, size) for op, g, size in itertools.product(ops, geometries, sizes)
            if all(g.out(n) > 0 for n, _ in dims(size))]
   pools: dict[bool, list[tuple]] = {True: [], False: []}
   for c in cases:
@@ -174,3 +204,56 @@ def test_gradient_one_sharded_dim(op, g, size):
   even = n % shards == 0 and g.halo_suffices(n, shards)
   spec = P(None, "x", None)
   _check(grad, (x, ct), (spec, spec), _mesh((("x", shards),)), halo_only=even)
+
+
+def _max_pool_gradient(g: Geometry, dims: tuple[int, ...]):
+  fn = _windowed("max", g, dims)
+  return lambda x, ct: jax.vjp(fn, x)[1](ct)[0]
+
+
+def _scatters(plan) -> list:
+  return [c for c in plan.collectives if c.primitive == "select_and_scatter_add"]
+
+
+@_cases(SIZES_1D, lambda s: [s[::-1]], 24, seed=3, ops=("max",), geometries=POOLS)
+def test_max_pool_gradient_one_sharded_dim(op, g, size):
+  """The max-pool gradient, even or uneven, exchanges exactly the windows touching a shard's
+  rows and the input rows they read (an uneven result is gathered at the output only)."""
+  shards, n = size
+  x = _data(2, n, 2)
+  ct = _data(2, g.out(n), 2, seed=3)
+  spec, mesh = P(None, "x", None), _mesh((("x", shards),))
+  fits = g.scatter_halo_suffices(n, shards)
+  (wl, wr), (rl, rr) = g.scatter_reach(n, shards)
+  _check(_max_pool_gradient(g, (1,)), (x, ct), (spec, spec), mesh,
+         halo_only=fits and n % shards == 0, halo_rows=wl + wr + rl + rr if fits else None)
+  if fits:
+    plan = spmd.partition(_max_pool_gradient(g, (1,)), mesh=mesh, in_specs=(spec, spec)).plan(x, ct)
+    assert {c.kind for c in _scatters(plan)} <= {"collective-permute"}, plan.explain()
+
+
+@_cases(SIZES_2D, lambda s: [(s[0], 2), (s[1], 4)], 8, seed=4, ops=("max",), geometries=POOLS)
+def test_max_pool_gradient_two_sharded_dims(op, g, size):
+  h, w = size
+  x = _data(1, h, w, 2)
+  ct = _data(1, g.out(h), g.out(w), 2, seed=3)
+  spec, mesh = P(None, "a", "b", None), _mesh((("a", 2), ("b", 4)))
+  fits = g.scatter_halo_suffices(h, 2) and g.scatter_halo_suffices(w, 4)
+  _check(_max_pool_gradient(g, (1, 2)), (x, ct), (spec, spec), mesh,
+         halo_only=fits and h % 2 == 0 and w % 4 == 0)
+  if fits:
+    plan = spmd.partition(_max_pool_gradient(g, (1, 2)), mesh=mesh,
+                          in_specs=(spec, spec)).plan(x, ct)
+    assert {c.kind for c in _scatters(plan)} <= {"collective-permute"}, plan.explain()
+
+
+@pytest.mark.parametrize("rows,padding", [(16, "VALID"), (14, "SAME"), (12, "SAME")])
+def test_grad_of_flax_max_pool(rows, padding):
+  """jax.grad of nn.max_pool, 2x2 windows of stride 2 (aligned with 2-row blocks) or 3x3 of
+  stride 2 (crossing them), H and W sharded."""
+  x = _data(2, rows, 8, 3)
+  for window in ((2, 2), (3, 3)):
+    pool = functools.partial(nn.max_pool, window_shape=window, strides=(2, 2), padding=padding)
+    grad = jax.grad(lambda x: (pool(x) * jnp.arange(pool(x).size).reshape(pool(x).shape)).sum())
+    _check(grad, (x,), (P(None, "a", "b", None),), _mesh((("a", 2), ("b", 4))),
+           halo_only=rows % 2 == 0)

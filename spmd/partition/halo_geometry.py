@@ -127,6 +127,13 @@ class Halo:
       rows -= self.block
     return out
 
+  def uncovered(self) -> tuple[int, int]:
+    """The most rows of a shard's own block before and after its span (undilated): a strided
+    window's gradient leaves rows between windows, which its span need not reach."""
+    shards = range(-(-self.size // self.block))
+    return (max(0, *(self.first(i) - self.block * i for i in shards)),
+            max(0, *(self.block * (i + 1) - self.first(i) - self.length for i in shards)))
+
   def start(self, shard: Any) -> Any:
     """Where this shard's span begins in its dilated buffer (which starts with ``dilation - 1``
     pad positions: a span may begin in the hole before its first row)."""
@@ -135,15 +142,17 @@ class Halo:
 
 
 def _halo(operand: int, dim: int, axes: Axes, size: int, shards: int, length: int, first: Start,
-          dilation: int, active: int) -> Halo | None:
-  """Measures the halo the first ``active`` shards need; None when it would move more than
-  gathering the dim (all of its blocks)."""
+          dilation: int, active: int,
+          needed: list[tuple[int, int]] | None = None) -> Halo | None:
+  """Measures the halo the first ``active`` shards need: the rows inside the array their spans
+  reach, or only ``needed[i]`` (rows [lo, hi)) of shard i's span, the rest of it being pad. None
+  when it would move more than gathering the dim (all of its blocks)."""
   block = -(-size // shards)
   left = right = before = after = 0
   for i in range(active):
     lo, hi = -(-first(i) // dilation), -(-(first(i) + length) // dilation)
     before, after = max(before, block * i - lo), max(after, hi - block * (i + 1))
-    lo, hi = max(lo, 0), min(hi, size)
+    lo, hi = needed[i] if needed is not None else (max(lo, 0), min(hi, size))
     if lo < hi:
       left, right = max(left, block * i - lo), max(right, hi - block * (i + 1))
   if left + right > shards * block:
@@ -164,19 +173,23 @@ def plan_halo(operand: int, dim: int, axes: Axes, window: Window, shards: int) -
 def plan_scatter_halos(dim: int, axes: Axes, window: Window,
                        shards: int) -> tuple[Halo, Halo, int] | None:
   """select_and_scatter_add(source, operand): shard i makes operand rows [S*i, S*(i+1)), which
-  windows floor((S*i + lo - w + 1)/s) .. + K cover. Returns the source halo (K windows), the
-  operand halo (the rows those windows read) and K; None when either is too wide."""
-  n, w, s, lo = window.size, window.window, window.stride, window.lo
+  the windows from c = ceil((S*i + lo - w + 1)/s) to floor((S*(i+1) - 1 + lo)/s) touch (none when
+  the block lies between two windows strided apart). Every shard runs the K windows from its c,
+  K the most any block has; the halos carry only the touching windows' source rows and the
+  operand rows they read, the rest of the spans is pad (a window touching none of the shard's
+  rows scatters nowhere it keeps). Returns the source halo, the operand halo and K; None when
+  either is too wide."""
+  n, out, w, s, lo = window.size, window.out, window.window, window.stride, window.lo
   block = -(-n // shards)
-  count = 0
-  for i in range(min(shards, -(-n // block))):
-    o0 = (block * i + lo - w + 1) // s
-    last = (block * (i + 1) - 1 + lo) // s
-    count = max(count, last - o0 + 1, -(-(block * (i + 1) + lo - w) // s) - o0 + 1)
   active = min(shards, -(-n // block))
-  source = _halo(0, dim, axes, window.out, shards, count, Start(block, lo - w + 1, s), 1, active)
-  operand = _halo(1, dim, axes, n, shards, s * (count - 1) + w,
-                  Start(block, lo - w + 1, s, s, -lo), 1, active)
+  first = Start(block, lo - w + s, s)  # ceil((S*i + lo - w + 1) / s)
+  touching = [(first(i), min((block * (i + 1) - 1 + lo) // s + 1, out)) for i in range(active)]
+  count = max(1, *(end - c for c, end in touching))
+  windows = [(max(c, 0), end) for c, end in touching]
+  source = _halo(0, dim, axes, out, shards, count, first, 1, active, windows)
+  operand = _halo(1, dim, axes, n, shards, s * (count - 1) + w, Start(block, lo - w + s, s, s, -lo),
+                  1, active, [(max(c * s - lo, 0), min((end - 1) * s - lo + w, n)) if c < end
+                              else (0, 0) for c, end in windows])
   if source is None or operand is None:
     return None
   return source, operand, count

@@ -181,9 +181,14 @@ def select_and_scatter_add(local: Local, args: list) -> list:
   padding = tuple((0, 0) if d in halo_dims else tuple(c) for d, c in enumerate(p["padding"]))
   (out,) = bind(op, args, padding=padding)
   for h in local.halos:
-    if h.operand == 1:
+    if h.operand == 1:  # the span's rows, widened to reach rows no window touches: the block
+      before, after = h.uncovered()
+      if before or after:
+        config = [(0, 0, 0)] * out.ndim
+        config[h.dim] = (before, after, 0)
+        out = lax.pad(out, jnp.zeros((), out.dtype), config)
       shard = shard_index(h.axes)
-      out = lax.dynamic_slice_in_dim(out, h.block * shard - h.first(shard), h.block,
+      out = lax.dynamic_slice_in_dim(out, h.block * shard - h.first(shard) + before, h.block,
                                      h.dim)
   return [out]
 
