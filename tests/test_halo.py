@@ -479,10 +479,12 @@ def test_stencils(name, mesh, spec):
 
 
 def _xla_bytes(fn, args, spec, mesh) -> int:
-  """Per-device collective bytes of jax.jit with the same input and output shardings."""
+  """Per-device collective bytes of jax.jit with every input and output constrained to the same
+  sharding (constraints, since jit's own shardings must divide every dim)."""
   named = NamedSharding(_mesh(mesh), spec)
-  return sum(c.bytes for c in collectives(
-      jax.jit(fn, in_shardings=named, out_shardings=named).lower(*args).compile().as_text()))
+  pin = functools.partial(jax.lax.with_sharding_constraint, shardings=named)
+  program = jax.jit(lambda *args: jax.tree.map(pin, fn(*map(pin, args))))
+  return sum(c.bytes for c in collectives(program.lower(*args).compile().as_text()))
 
 
 @pytest.mark.parametrize("shift,mesh,spec", [
@@ -504,8 +506,25 @@ def test_roll_along_two_sharded_dims_and_of_a_gradient():
   fn = lambda u: jnp.roll(u, (2, -1), (0, 1))  # noqa: E731
   plan, _ = check(fn, (u,), P("a", "b"), "ab", halo_only=True)
   assert plan.total_bytes <= _xla_bytes(fn, (u,), P("a", "b"), "ab")
-  check(jax.grad(lambda u: (jnp.roll(u, 3, 0) * u).sum()), (u,), P("x", None), "x8",
-        halo_only=False)
+  grad = jax.grad(lambda u: (jnp.roll(u, 3, 0) * u).sum())
+  plan, found = check(grad, (u,), P("x", None), "x8", halo_only=True)
+  assert {c.kind for c in found} == {"collective-permute"}
+  assert plan.total_bytes <= _xla_bytes(grad, (u,), P("x", None), "x8"), plan.explain()
+
+
+@pytest.mark.parametrize("n,shift,mesh,spec", [
+    (16, 3, "x8", P("x", None)), (16, -3, "x8", P("x", None)), (16, 11, "x8", P("x", None)),
+    (16, -1, "x4", P("x", None)), (16, 8, "x4", P("x", None)), (16, 16, "x8", P("x", None)),
+    (16, 5, "ab", P(AB, None)), (16, -2, "ab", P("b", "a")), (13, 5, "x8", P("x", None)),
+    (13, -4, "x4", P("x", None)), (13, 20, "x8", P("x", None))])
+def test_roll_gradient_is_halo_only_with_no_more_bytes_than_xla(n, shift, mesh, spec):
+  """The transpose of a roll (the cotangent's two pieces padded into place and added) is a roll
+  back: each shard takes its rows from the shards they rotate from, as the forward does."""
+  grad = jax.grad(lambda u, v: (jnp.roll(u, shift, 0) * v).sum())
+  args = (data(n, 16), data(n, 16, seed=1))
+  plan, _ = check(grad, args, (spec, spec), mesh, halo_only=n % 8 == 0, permutes=shift % n != 0)
+  assert {c.kind for c in plan.collectives if c.op is not None} <= {"collective-permute"}
+  assert plan.total_bytes <= _xla_bytes(grad, args, spec, mesh), plan.explain()
 
 
 @pytest.mark.parametrize("n,shift,mesh", [(13, 1, "x4"), (13, -3, "x4"), (13, 5, "x8"),

@@ -1,18 +1,21 @@
-"""``jnp.roll`` as one op: JAX traces a roll by k along a dim of size n as
-``concatenate([x[n-k:], x[:n-k]])``, two slices whose rows lie far from the rows they end up
-beside. As one op, ``roll``, the dim is a rotation: each shard takes its rows from the one or two
-shards they rotate from (halo_geometry.Rotation), as XLA does."""
+"""``jnp.roll`` and its gradient as one op: JAX traces a roll by k along a dim of size n as
+``concatenate([x[n-k:], x[:n-k]])``, and its transpose as the cotangent's two pieces padded into
+place and added (``pad(ct[k:], (0, k)) + pad(ct[:k], (n-k, 0))``, cut by ``split`` or
+``slice``): pieces whose rows lie far from the rows they end up beside. As one op, ``roll``, the
+dim is a rotation: each shard takes its rows from the one or two shards they rotate from
+(halo_geometry.Rotation), as XLA does."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jax import lax
-from jax.extend.core import Primitive
+from jax.extend import core as jcore
 from jax.interpreters import mlir
 
 if TYPE_CHECKING:
-  from spmd.partition.ir import Op
+  from spmd.partition.ir import Op, Value
 
 
 def _roll(x: Any, *, shift: int, axis: int) -> Any:
@@ -21,46 +24,93 @@ def _roll(x: Any, *, shift: int, axis: int) -> Any:
                           lax.slice_in_dim(x, 0, n - shift, axis=axis)], axis)
 
 
-roll_p = Primitive("roll")
+roll_p = jcore.Primitive("roll")
 roll_p.def_impl(_roll)
 roll_p.def_abstract_eval(lambda x, *, shift, axis: x)
 mlir.register_lowering(roll_p, mlir.lower_fun(_roll, multiple_results=False))
 
 
+@dataclass(frozen=True)
+class _Piece:
+  """Rows [start, start + rows) along one dim of ``source`` (jaxpr variable ``var``), whole
+  along the others, placed at row ``at`` of the result."""
+
+  source: Value
+  var: Any
+  start: int
+  rows: int
+  at: int
+
+
 def fuse_rolls(ops: list[Op]) -> None:
-  """Replaces every concatenation of a roll's two slices, here and in regions, by a ``roll`` of
-  the sliced value (the slices stay for their other readers, if any)."""
+  """Replaces every roll (a concatenation of two pieces of one value, or the sum of two such
+  pieces padded into place) by a ``roll`` of that value, here and in regions (the pieces stay
+  for their other readers, if any)."""
   producer = {v: op for op in ops for v in op.outputs}
   for k, op in enumerate(ops):
     for region in op.regions:
       fuse_rolls(region.ops)
-    if op.eqn.primitive is not lax.concatenate_p:  # its operands are arrays, never literals
+    found = _rotation(op, producer)
+    if found is None:
       continue
-    shift = _roll_shift(op, [producer.get(x) for x in op.inputs])
-    if shift is None:
-      continue
-    x = producer[op.inputs[0]].inputs[0]
-    params = {"shift": shift, "axis": op.params["dimension"]}
-    eqn = op.eqn.replace(primitive=roll_p, params=params,
-                         invars=[producer[op.inputs[0]].eqn.invars[0]])
+    (x, var), axis, shift = found
+    params = {"shift": shift, "axis": axis}
+    eqn = op.eqn.replace(primitive=roll_p, params=params, invars=[var])
     ops[k] = dataclasses.replace(op, primitive=roll_p.name, params=params, inputs=(x,), eqn=eqn)
 
 
-def _roll_shift(op: Op, pieces: list[Op | None]) -> int | None:
-  """k if ``op`` is ``concatenate([x[n-k:], x[:n-k]])`` along one dim, else None."""
-  if len(pieces) != 2 or any(p is None or p.eqn.primitive is not lax.slice_p for p in pieces):
-    return None
-  (tail, head), d = pieces, op.params["dimension"]
-  x = tail.inputs[0]
-  if head.inputs[0] is not x or x.shape != op.outputs[0].shape:
-    return None
-  n = x.shape[d]
-  for p, (start, limit) in zip(pieces, [(head.params["limit_indices"][d], n),
-                                        (0, tail.params["start_indices"][d])]):
-    want_start = tuple(start if e == d else 0 for e in range(len(x.shape)))
-    want_limit = tuple(limit if e == d else m for e, m in enumerate(x.shape))
-    if (tuple(p.params["start_indices"]) != want_start
-        or tuple(p.params["limit_indices"]) != want_limit
-        or any(s != 1 for s in p.params["strides"] or ())):
+def _rotation(op: Op, producer: dict[Value, Op]) -> tuple[tuple[Value, Any], int, int] | None:
+  """((value, its variable), dim, shift) if ``op`` rolls a value along a dim, else None."""
+  if op.eqn.primitive is lax.concatenate_p:  # its operands are arrays, never literals
+    d = op.params["dimension"]
+    starts = [sum(x.shape[d] for x in op.inputs[:j]) for j in range(len(op.inputs))]
+    pieces = [_piece(x, d, at, producer) for x, at in zip(op.inputs, starts)]
+  elif op.primitive in ("add", "add_any") and not any(
+      isinstance(v, jcore.Literal) for v in op.eqn.invars) and all(
+          x in producer for x in op.inputs):
+    pads = [producer[x] for x in op.inputs]
+    widened = [_zero_pad_dims(p) for p in pads]
+    if None in widened or len(dims := set().union(*widened)) != 1:
       return None
-  return n - tail.params["start_indices"][d]
+    (d,) = dims
+    pieces = [_piece(p.inputs[0], d, p.params["padding_config"][d][0], producer) for p in pads]
+  else:
+    return None
+  if len(pieces) != 2 or None in pieces:
+    return None
+  x, n = pieces[0].source, op.outputs[0].shape[d]
+  shifts = {(p.at - p.start) % n for p in pieces}
+  rows = sorted((p.start, p.rows) for p in pieces)
+  if (any(p.source is not x for p in pieces) or x.shape != op.outputs[0].shape
+      or len(shifts) != 1 or rows[0][0] != 0 or rows[0][1] != rows[1][0]
+      or rows[1][0] + rows[1][1] != n):
+    return None
+  return (x, pieces[0].var), d, shifts.pop()
+
+
+def _zero_pad_dims(op: Op) -> set[int] | None:
+  """The dims a ``pad`` by zeros with no interior padding widens; None for any other op."""
+  if op.eqn.primitive is not lax.pad_p:
+    return None
+  value, config = op.eqn.invars[1], op.params["padding_config"]
+  if (not isinstance(value, jcore.Literal) or value.val != 0
+      or any(lo < 0 or hi < 0 or interior for lo, hi, interior in config)):
+    return None
+  return {d for d, (lo, hi, _) in enumerate(config) if lo or hi}
+
+
+def _piece(v: Value, d: int, at: int, producer: dict[Value, Op]) -> _Piece | None:
+  """``v`` as a piece of a value along ``d`` (a ``slice`` with unit strides, or a ``split``)."""
+  op = producer.get(v)
+  if op is None:
+    return None
+  x = op.inputs[0]
+  if any(m != n for e, (m, n) in enumerate(zip(v.shape, x.shape)) if e != d):
+    return None
+  if op.eqn.primitive is lax.slice_p and all(s == 1 for s in op.params["strides"] or ()):
+    start = op.params["start_indices"][d]
+  elif op.eqn.primitive is lax.split_p and op.params["axis"] == d:
+    start = sum(op.params["sizes"][:op.outputs.index(v)])
+  else:
+    return None
+  return _Piece(x, op.eqn.invars[0], start, v.shape[d], at)
