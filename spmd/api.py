@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import numbers
 import sys
 import warnings
@@ -71,6 +72,48 @@ class _Compiled:
   fn: Callable         # the jitted program over flat leaves (no custom derivative)
   call: Callable       # ``fn`` with a partitioned backward pass, for jax.grad / jax.vjp
   out_tree: Any
+  steady: bool         # called as compiled ahead of time: inputs split evenly, one process
+  watched: tuple[int, ...]  # leaves whose plan depends on whether they arrive committed
+
+  @functools.cached_property
+  def executable(self) -> jax.stages.Compiled:
+    """``fn`` compiled for its inputs' avals and shardings: a call checks its arguments'
+    shapes, dtypes and committed shardings itself (in C++, as ``jax.jit`` does) and raises
+    rather than retraces on a mismatch."""
+    return self.fn.lower(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                                weak_type=v.aval.weak_type)
+                           for v in self.analysis.program.inputs]).compile()
+
+
+@dataclass(frozen=True)
+class _Steady:
+  """What a call with a known argument structure tries first: ``compiled.executable`` on its
+  leaves, when what that executable does not check and the plan depends on is as it was: the
+  leaves' types (a tracer, a Python scalar), which are weakly typed, and which of
+  ``compiled.watched`` are committed."""
+  compiled: _Compiled
+  types: tuple[type, ...]
+  weak: tuple[bool, ...]
+  committed: tuple[bool, ...]
+  arrays: tuple[int, ...]  # the leaves that are JAX arrays
+
+  @staticmethod
+  def of(compiled: _Compiled, leaves: Sequence[Any]) -> _Steady:
+    return _Steady(compiled, tuple(map(type, leaves)), _weak_types(leaves),
+                   tuple(_committed(leaves[i]) for i in compiled.watched),
+                   tuple(i for i, x in enumerate(leaves) if isinstance(x, jax.Array)))
+
+  def call(self, leaves: Sequence[Any]) -> Sequence[Any] | None:
+    """The flat outputs, or None where the arguments need the full path (other avals,
+    shardings or types, a deleted buffer: the full path says which)."""
+    if (tuple(map(type, leaves)) != self.types or _weak_types(leaves) != self.weak
+        or tuple(_committed(leaves[i]) for i in self.compiled.watched) != self.committed
+        or any(leaves[i].is_deleted() for i in self.arrays)):  # JAX 0.10 crashes on those
+      return None
+    try:
+      return self.compiled.executable(*leaves)
+    except (TypeError, ValueError):  # raised by the argument check, before anything runs
+      return None
 
 
 class Partitioned:
@@ -94,7 +137,8 @@ class Partitioned:
     self._mesh_shape = mesh_shape(mesh)
     self._rules = AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
-    self._dispatch: dict[Any, _Compiled] = {}
+    self._dispatch: dict[Any, _Compiled] = {}  # by argument structure, avals, shardings
+    self._steady: dict[Any, _Steady] = {}  # by argument structure and static values
     self._graph_calls: dict[Any, Partitioned] = {}
     functools.update_wrapper(self, fun)
 
@@ -104,7 +148,13 @@ class Partitioned:
       out, state = pure(*pure_args)
       sys.modules["flax.nnx"].update(nodes, state)  # the modules' updates, as nnx.jit does
       return out
-    key, leaves = (None, None) if kwargs else _dispatch_key(args, self.static_argnums)
+    structure, leaves = (None, None) if kwargs else _structure(args, self.static_argnums)
+    steady = self._steady.get(structure) if structure is not None else None
+    if steady is not None:
+      outs = steady.call(leaves)
+      if outs is not None:
+        return tree_unflatten(steady.compiled.out_tree, outs)
+    key = _dispatch_key(structure, leaves) if structure is not None else None
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
       compiled, leaves = self._compile(args, kwargs)
@@ -113,6 +163,9 @@ class Partitioned:
         return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
       if key is not None:
         self._dispatch[key] = compiled
+    if compiled.steady and key is not None:
+      self._steady[structure] = _Steady.of(compiled, leaves)
+      return tree_unflatten(compiled.out_tree, compiled.executable(*leaves))
     leaves = self._placed(compiled.analysis, leaves)
     return tree_unflatten(compiled.out_tree, compiled.fn(*leaves))
 
@@ -254,7 +307,15 @@ class Partitioned:
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     fn = lower(analysis, with_auto_axes(self.mesh), donated)
-    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree)
+    steady = not self.mesh.is_multi_process and all(
+        s.divides(v.shape, self._mesh_shape)
+        for s, v in zip(analysis.schedule.inputs, program.inputs))
+    # An open leaf is seeded by its committed sharding; a committed leaf sharded otherwise than
+    # its spec is resharded on entry. Either way the plan depends on whether it is committed.
+    watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
+                    if spec is None or arrival not in (None, spec))
+    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
+                     steady, watched)
 
   def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
@@ -467,21 +528,35 @@ def _global_array(x: np.ndarray, s: TensorSharding, dtype: Any, mesh: Mesh) -> j
                                       lambda index: x[index])
 
 
-def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, list | None]:
-  """(key, leaves of the non-static arguments) for the steady-state path: calls with equal
-  argument structure, avals, committed shardings and static values share the key. The key is
-  None where a call must take the full path (traced, unhashable or unusual leaves)."""
-  if any(not -len(args) <= i < len(args) for i in static_argnums):
+def _structure(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, list | None]:
+  """(the non-static arguments' tree structure and the static values, their leaves); the key is
+  None where a call must take the full path (argnums out of range, unhashable static values)."""
+  if not static_argnums:
+    leaves, tree = tree_flatten(args)
+    key = (tree, ())
+  elif any(not -len(args) <= i < len(args) for i in static_argnums):
     return None, None
-  static = {i % len(args) for i in static_argnums}
-  leaves, tree = tree_flatten(tuple(a for i, a in enumerate(args) if i not in static))
-  parts: list[Any] = [tree, tuple(args[i] for i in sorted(static))]
+  else:
+    static = {i % len(args) for i in static_argnums}
+    leaves, tree = tree_flatten(tuple(a for i, a in enumerate(args) if i not in static))
+    key = (tree, tuple(args[i] for i in sorted(static)))
+  try:
+    hash(key)
+  except TypeError:
+    return None, None
+  return key, leaves
+
+
+def _dispatch_key(structure: Any, leaves: list) -> Any:
+  """Calls with equal structure, avals and committed shardings share the key; None where a call
+  must take the full path (traced, deleted, unhashable or unusual leaves)."""
+  parts: list[Any] = [structure]
   for leaf in leaves:
     if isinstance(leaf, jax.core.Tracer):
-      return None, None
+      return None
     if isinstance(leaf, jax.Array):
       if leaf.is_deleted():
-        return None, None  # the full path says which argument
+        return None  # the full path says which argument
       parts.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False),
                     leaf.sharding if leaf.committed else None))
     elif isinstance(leaf, (np.ndarray, np.generic)):
@@ -489,13 +564,21 @@ def _dispatch_key(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, li
     elif type(leaf) in (bool, int, float, complex):
       parts.append(type(leaf))  # weakly typed scalars: the aval is the type's
     else:
-      return None, None
+      return None
   key = tuple(parts)
   try:
     hash(key)
   except TypeError:
-    return None, None
-  return key, leaves
+    return None
+  return key
+
+
+def _weak_types(leaves: Sequence[Any]) -> tuple[bool, ...]:
+  return tuple(map(getattr, leaves, itertools.repeat("weak_type"), itertools.repeat(False)))
+
+
+def _committed(leaf: Any) -> bool:
+  return getattr(leaf, "committed", False)
 
 
 def _check_leaf(name: str, leaf: Any) -> None:

@@ -179,6 +179,28 @@ def test_steady_state_calls_see_new_values_statics_and_placements(mesh):
   np.testing.assert_allclose(g(X.astype(jnp.bfloat16), 1, 1.0), X.astype(jnp.bfloat16))
 
 
+def test_steady_state_path_runs_the_program_a_fresh_call_would_build(mesh):
+  """A repeated call hands its arguments to the compiled program, which checks their shapes,
+  dtypes and committed shardings itself; what it does not check must still pick the program a
+  fresh call builds: weak types, whether an open leaf arrives committed, tracers."""
+  def h(x, s):
+    return x * s
+
+  g = spmd.partition(h, mesh=mesh)
+  xb = X.astype(jnp.bfloat16)
+  committed = jax.device_put(xb, NamedSharding(mesh, P(None, "model")))
+  strong, weak = jnp.float32(2), jnp.asarray(2.0)  # both f32[], the second weakly typed
+  assert not strong.weak_type and weak.weak_type
+  for x, s in [(committed, strong), (committed, strong), (committed, weak), (committed, weak),
+               (xb, weak), (xb, weak), (committed, weak), (xb[:4], weak), (np.asarray(xb), 2.0)]:
+    out, want = g(x, s), spmd.partition(h, mesh=mesh)(x, s)
+    assert (out.dtype, out.sharding) == (want.dtype, want.sharding)
+    np.testing.assert_array_equal(out, want)
+  assert g(xb, weak).sharding != g(committed, weak).sharding  # the open leaf's seed differs
+  grad = jax.grad(lambda x: g(x, strong).sum())(X)
+  np.testing.assert_array_equal(grad, jnp.full_like(X, 2.0))
+
+
 def test_static_argnums_and_keyword_arguments(mesh):
   def h(x, power, scale):
     return x ** power * scale
