@@ -534,6 +534,18 @@ def test_roll_uneven(n, shift, mesh):
   check(lambda u: jnp.roll(u, shift, 0), (data(n, 3),), P("x", None), mesh)
 
 
+@pytest.mark.parametrize("n,mesh,spec", [(13, "x4", P("x", None)), (13, "x8", P("x", None)),
+                                         (9, "x8", P("x", None)), (7, "ab", P("a", "b")),
+                                         (13, "ab", P(AB, None))])
+def test_rev_uneven_is_halo_only_with_no_more_bytes_than_xla(n, mesh, spec):
+  """Uneven blocks: the mirrored block reversed, then rotated back by the padding's rows."""
+  fn = lambda u: (jnp.flip(u, 0), jnp.flip(u, (0, 1)) * 2)  # noqa: E731
+  args = (data(n, 7),)
+  plan, _ = check(fn, args, spec, mesh)
+  assert {c.kind for c in plan.collectives if c.op is not None} == {"collective-permute"}
+  assert plan.total_bytes <= _xla_bytes(fn, args, spec, mesh), plan.explain()
+
+
 @pytest.mark.parametrize("mesh,spec", STENCIL_SPECS, ids=[f"{m}-{s}" for m, s in STENCIL_SPECS])
 def test_same_size_stencils_are_halo_only(mesh, spec):
   """Padded Laplacian and padded forward differences keep 16x16: only neighbour exchanges."""

@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo, plan_mirror,
-                                          plan_rotation, plan_scatter_halos)
+from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo,
+                                          plan_reversal, plan_rotation, plan_scatter_halos)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import plan_reshard
@@ -100,8 +100,7 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
   if w.mode == "rotate":
     return (plan_rotation(w.operand, w.dim, axes, w.window.size, _count(axes, mesh), w.window.lo),)
   if w.mode == "reverse":
-    m = plan_mirror(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
-    return None if m is None else (m,)
+    return plan_reversal(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
   halo = plan_halo(w.operand, w.dim, axes, w.window, _count(axes, mesh))
   return None if halo is None else (halo,)
 

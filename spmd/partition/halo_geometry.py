@@ -9,7 +9,8 @@ of the rows inside the array that lie left and right of the shard's own rows are
 fetched from neighbours (several hops when a halo is wider than a shard); the shard's buffer
 reaches as far as its span does, rows outside the array holding the op's pad value.
 
-``rev`` takes the mirrored shard's block (``Mirror``); ``roll`` takes its rows from the one or
+``rev`` takes the mirrored shard's block (``Mirror``; on uneven blocks, then rotated into place);
+``roll`` takes its rows from the one or
 two shards its rows rotate from (``Rotation``). halo.py carries these exchanges out.
 """
 from __future__ import annotations
@@ -197,7 +198,7 @@ def plan_scatter_halos(dim: int, axes: Axes, window: Window,
 
 @dataclass(frozen=True)
 class Mirror:
-  """rev along a dim split evenly: shard i takes shard n-1-i's block (then reverses it)."""
+  """rev along a sharded dim: shard i takes shard n-1-i's block (then reverses it)."""
 
   operand: int
   dim: int
@@ -207,16 +208,23 @@ class Mirror:
 
   @property
   def block(self) -> int:
-    return self.size // self.shards
+    return -(-self.size // self.shards)
 
   @property
   def length(self) -> int:
     return self.block
 
 
-def plan_mirror(operand: int, dim: int, axes: Axes, size: int, shards: int) -> Mirror | None:
-  """Uneven blocks do not mirror onto blocks: those are gathered instead."""
-  return Mirror(operand, dim, axes, size, shards) if size % shards == 0 else None
+def plan_reversal(operand: int, dim: int, axes: Axes, size: int,
+                  shards: int) -> tuple[Mirror] | tuple[Mirror, Rotation]:
+  """The mirrored block; on uneven blocks (padded to P = n*S rows at the end) the mirrored,
+  reversed blocks are the padded dim reversed, whose rows sit P - size rows after the result's:
+  a rotation back by P - size along the padded (evenly split) dim puts them in place."""
+  mirror = Mirror(operand, dim, axes, size, shards)
+  padded = shards * mirror.block
+  if padded == size:
+    return (mirror,)
+  return mirror, plan_rotation(operand, dim, axes, padded, shards, size - padded)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
-from spmd.partition.halo_geometry import Exchange, geometry
+from spmd.partition.halo_geometry import Exchange, Rotation, geometry
 from spmd.partition.ir import Op
 from spmd.partition.primitives import describe
 from spmd.partition.rules.reduce import identity
@@ -130,12 +130,17 @@ def pad(local: Local, args: list) -> list:
 
 
 def rev(local: Local, args: list) -> list:
-  """Reverses the local block after taking the mirrored shard's block along sharded dims."""
+  """Along each sharded dim takes the mirrored shard's block and reverses it (an uneven dim's
+  then rotated into place); reverses the other dims locally."""
   x, chain = args[0], ()
-  for m in local.halos:
-    x = mirror(x, m, local.mesh, local.received, local.prefix(0, chain))
-    chain += (geometry(m),)
-  return bind(local.op, [x])
+  for h in local.halos:
+    if isinstance(h, Rotation):
+      x = rotate(x, h, shard_index(h.axes), local.mesh, local.received, local.prefix(0, chain))
+    else:
+      x = lax.rev(mirror(x, h, local.mesh, local.received, local.prefix(0, chain)), (h.dim,))
+    chain += (geometry(h),)
+  rest = tuple(d for d in local.op.params["dimensions"] if d not in {h.dim for h in local.halos})
+  return bind(local.op, [x], dimensions=rest)
 
 
 def roll(local: Local, args: list) -> list:

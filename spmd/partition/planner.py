@@ -280,8 +280,8 @@ def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
     wanted = any(w.factor in fs and shardings[result].dims[d] for d, fs in enumerate(factors))
     if wanted and not s.execution.factor_axes[w.factor]:
       out.append(f"op {op.index} ({op.primitive} at {op.source}): dim {w.dim} cannot be exchanged "
-                 "with neighbours (the halo would be as wide as the rest of the array, or uneven "
-                 f"blocks would not mirror), so it is gathered whole ({read})")
+                 "with neighbours (the halo would be as wide as the rest of the array), so it is "
+                 f"gathered whole ({read})")
   return out
 
 
