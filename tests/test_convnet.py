@@ -199,8 +199,6 @@ def test_max_pool_gradient_of_aligned_windows_exchanges_nothing():
   assert not f.plan(jax.ShapeDtypeStruct((1, 16, 4, 1), jnp.float32)).collectives
 
 
-@pytest.mark.xfail(strict=True, reason="a dim with fewer rows than the devices splitting it (6 "
-                   "images over 8) is gathered before its first op and run split over fewer axes")
 def test_batch_smaller_than_its_shard_count_stays_split():
   f = spmd.partition(lambda x: (x * 2).sum(), mesh=_mesh(), in_specs=P(("data", "model"), None),
                      out_specs=P())

@@ -557,3 +557,32 @@ def test_uneven_output_is_returned_gathered_with_a_warning(out_specs):
   assert "out_specs P(None, None, 'x', None) (dim 2 splits evenly)" in warning
   assert "padding dim 1 from 30 to 32" in warning
   assert plan.out_specs == P(None, None, None, None)
+
+
+# --- fewer rows than shards ------------------------------------------------------------------------
+
+def _small_batch_step(x, w):
+  """A matmul, reductions over the batch, and the gradient of a loss through both."""
+  def loss(w):
+    return (jnp.tanh(x @ w).sum(0) ** 2).mean()
+
+  value, grad = jax.value_and_grad(loss)(w)
+  return value, grad, jnp.tanh(x @ w).max(0)
+
+
+# (rows, mesh, spec): a batch with fewer rows than the devices splitting it, so that some shards
+# hold padding only. One row cannot be split: in_specs take it whole, with a warning.
+SMALL_BATCHES = [(n, "ab", P(AB, None)) for n in range(1, 8)] + [(3, "x4", P("x", None))]
+
+
+@pytest.mark.filterwarnings("ignore:.*of size 1")
+@pytest.mark.parametrize("rows,mesh,spec", SMALL_BATCHES,
+                         ids=[f"{n}on{m}" for n, m, _ in SMALL_BATCHES])
+def test_batch_with_fewer_rows_than_shards_stays_split(rows, mesh, spec):
+  """Each op runs on the batch split as given; the only collectives are the reductions over
+  every device that splits it (no all-gather of the batch)."""
+  args = data((rows, 5), seed=rows), data((5, 4), seed=30) * 0.5
+  plan = check(_small_batch_step, args, (spec, P()), mesh, tol=1e-5)
+  split = tuple(spec[0]) if isinstance(spec[0], tuple) else (spec[0],)
+  assert all(c.kind == "all-reduce" and c.axes == split for c in plan.collectives), plan.explain()
+  assert bool(plan.collectives) == (rows > 1), plan.explain()  # one row: whole on every device

@@ -234,12 +234,9 @@ class _Engine:
         continue
       used = {a for i, dim in enumerate(dims) if i != d for a in dim} | set(old)
       added = prefix_without(tuple(new[len(old):]), used)
-      grown = old + added
-      while added and math.prod(self.mesh[a] for a in grown) > v.shape[d]:
-        grown, added = grown[:-1], added[:-1]
       if not added:
         continue
-      dims[d] = grown
+      dims[d] = old + added
       self.clock += 1
       self.changed_at[v] = self.clock
       if source is not None and source.value is not v:
