@@ -24,7 +24,7 @@ from spmd.partition.ir import build_program
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.planner import Analysis, Boundary, analyze
-from spmd.partition.search import search
+from spmd.partition.search import device_memory, search
 from spmd.partition.sharding import TensorSharding, mesh_text
 from spmd.plan import Plan
 
@@ -54,7 +54,9 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
 
   ``auto=True``: the open leaves of ``in_specs`` are chosen by a search over candidate shardings
   (``spmd/partition/search.py``) that minimises the plan's per-call bytes with the inputs' bytes
-  per device at most ``memory_limit`` (None: no limit); ``plan.search`` says what it chose.
+  per device at most ``memory_limit`` (None: the devices' memory where JAX reports it,
+  ``memory_stats()["bytes_limit"]``; XLA:CPU reports none: no limit); ``plan.search`` says what
+  it chose.
   Given specs, committed arguments and annotations are kept; open outputs follow propagation.
   """
   if fun is None:
@@ -299,7 +301,11 @@ class Partitioned:
                                  name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
                                  out_tree=out_tree)
     if self.auto:
-      analysis, report = search(boundary, ties, self._mesh_shape, self.memory_limit, evaluate)
+      limit, source = self.memory_limit, "memory_limit"
+      if limit is None:
+        limit = device_memory(self.mesh.devices.flat)
+        source = "device memory" if limit is not None else "none"
+      analysis, report = search(boundary, ties, self._mesh_shape, limit, source, evaluate)
       analysis = dataclasses.replace(analysis,
                                      plan=dataclasses.replace(analysis.plan, search=report))
     else:

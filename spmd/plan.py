@@ -143,10 +143,12 @@ class SearchVariable:
 class Search:
   """What ``partition(auto=True)`` searched. Bytes are ``step_bytes`` of whole plans:
   ``step_bytes`` of the chosen one, ``propagation_bytes`` with the open inputs left to
-  propagation, ``ilp_bytes`` of the integer program's answer (``predicted_bytes`` is its own
-  linearised estimate); ``from_ilp`` says the chosen plan is that answer (else it is one of the
-  single-variable plans priced for the integer program's costs). ``memory_bytes``: per device,
-  of the chosen plan's inputs."""
+  propagation, ``ilp_bytes`` of the solver's answer (the integer program's, or the greedy
+  fallback's; ``predicted_bytes`` is its own linearised estimate); ``from_ilp`` says the chosen
+  plan is that answer (else it is one of the single-variable plans priced for its costs). ``memory_bytes``: per device,
+  of the chosen plan's inputs; ``memory_limit``: the bound it kept, ``limit_source`` where that
+  came from ("memory_limit", "device memory" or "none": the devices report no memory).
+  ``method``: how one candidate per variable was chosen ("milp", or "greedy (<why>)")."""
 
   variables: tuple[SearchVariable, ...]
   plans_priced: int
@@ -158,17 +160,20 @@ class Search:
   ilp_bytes: int
   memory_bytes: int
   memory_limit: int | None
+  limit_source: str
   from_ilp: bool
+  method: str
 
   @property
   def candidates(self) -> int:
     return sum(len(v.candidates) for v in self.variables)
 
   def lines(self) -> list[str]:
-    limit = "no limit" if self.memory_limit is None else f"limit {fmt_bytes(self.memory_limit)}"
-    chosen = "the integer program's answer" if self.from_ilp else "a single-variable plan"
+    limit = ("no limit: the devices report no memory" if self.memory_limit is None
+             else f"limit {fmt_bytes(self.memory_limit)}, {self.limit_source}")
+    chosen = "the solver's answer" if self.from_ilp else "a single-variable plan"
     head = (f"auto sharding: {len(self.variables)} variables, {self.candidates} candidates, "
-            f"{self.plans_priced} plans priced in {self.seconds:.1f} s (solver "
+            f"{self.plans_priced} plans priced in {self.seconds:.1f} s (solver {self.method}, "
             f"{self.solver_seconds:.3f} s); chose {chosen}: {fmt_bytes(self.step_bytes)} per "
             f"call (propagation alone {fmt_bytes(self.propagation_bytes)}), inputs "
             f"{fmt_bytes(self.memory_bytes)} per device ({limit})")

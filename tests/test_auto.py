@@ -3,7 +3,9 @@ that fits the same memory limit (priced by the same planner), and its step equal
 unpartitioned one."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import math
 
 import flax.linen as nn
@@ -19,6 +21,8 @@ import spmd
 from helpers import assert_trees_match
 from spmd.models import transformer
 from spmd.train import make_train_step, state_specs
+
+search_module = importlib.import_module("spmd.partition.search")  # spmd.partition is a function
 
 MESH = {"data": 2, "model": 4}
 FEATURES, HIDDEN, PAIRS, BATCH = 32, 128, 2, 256
@@ -159,3 +163,46 @@ def test_transformer_with_only_the_batch_sharded():
                          {k: transformer.RULES[k] for k in ("dp", "fsdp", "megatron", "2d")})
   limit = rule_sets["dp"][1] // 2  # no room for replicated params and optimizer state
   _check_search(step, state, tokens, limit, rule_sets)
+
+
+def test_greedy_fallback_fits_and_matches(mlp_problem, monkeypatch):
+  """A program too large for the integer program is chosen greedily: it still fits, says so
+  and computes the same step."""
+  step, state, batch, rule_sets = mlp_problem
+  monkeypatch.setattr(search_module, "ILP_COLUMNS", 0)
+  plan = _check_search(step, state, batch, 80_000, rule_sets)
+  assert plan.search.method.startswith("greedy (")
+  assert "greedy" in plan.explain()
+
+
+def test_greedy_frees_memory_at_the_least_cost_per_byte():
+  costs = [[0, 10, 40], [0, 5]]
+  mems = [[100, 50, 10], [60, 20]]
+  # 160 bytes: the second variable frees 40 for 5 bytes (0.125/byte), the first 50 for 10 (0.2)
+  assert search_module.greedy(costs, mems, 120) == (0, 1)
+  assert search_module.greedy(costs, mems, 80) == (1, 1)
+  assert search_module.greedy(costs, mems, None) == (0, 0)
+  with pytest.raises(ValueError, match="at least 30 bytes"):
+    search_module.greedy(costs, mems, 29)
+  assert search_module.choose(costs, mems, 80).picks == (1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  """A device as ``device_memory`` sees it: what ``memory_stats()`` reports."""
+
+  stats: dict | None
+
+  def memory_stats(self) -> dict | None:
+    return self.stats
+
+
+def test_memory_limit_defaults_to_the_devices_memory(mlp_problem):
+  assert search_module.device_memory([_Device({"bytes_limit": 2**30}),
+                                      _Device({"bytes_limit": 2**29})]) == 2**29
+  assert search_module.device_memory(jax.devices()) is None  # XLA:CPU reports no memory
+  step, state, batch, _ = mlp_problem
+  plan = spmd.partition(step, mesh=_mesh(), auto=True,
+                        in_specs=(None, P("data", None))).plan(state, batch)
+  assert plan.search.memory_limit is None and plan.search.limit_source == "none"
+  assert "no limit: the devices report no memory" in plan.explain()
