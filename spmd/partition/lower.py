@@ -6,23 +6,19 @@ on local shards (spmd/partition/local.py); scan / while / cond run with partitio
 """
 from __future__ import annotations
 
-import itertools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.partition.ir import Atom, Literal, Value
-from spmd.partition.devices import permute, shard_index
 from spmd.partition.local import Local, run_local
 from spmd.partition.primitives import describe
 from spmd.partition.uneven import mask_padding
 from spmd.partition.planner import Analysis
-from spmd.partition.reshard import ReshardStep
+from spmd.partition.reshard import pad_to
 from spmd.partition.schedule import RegionSchedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
 
@@ -64,9 +60,7 @@ class _PaddedInputs:
 
 
 def _pad_global(x: Any, s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> Any:
-  for d, n in enumerate(shape):
-    x = _pad_to(x, d, -(-n // s.shards(d, mesh)) * s.shards(d, mesh))
-  return x
+  return pad_to(x, [-(-n // s.shards(d, mesh)) * s.shards(d, mesh) for d, n in enumerate(shape)])
 
 
 class _Interpreter:
@@ -97,47 +91,9 @@ class _Interpreter:
       value = self.aliases.get(t.value, t.value)
       x = env[(value, t.src)]
       for step in t.steps:
-        x = self.step(x, step, t.value.shape)
+        x = step.apply(x, t.value.shape, self.mesh)
         env.setdefault((value, step.after), x)  # forms passed through (schedule.acquire)
       env[(value, t.dst)] = x
-
-  def step(self, x: Any, step: ReshardStep, shape: tuple[int, ...]) -> Any:
-    """One reshard step on the local block; uneven dims are padded when split from whole and
-    cut back to their size when gathered whole (reshard.py only plans exact regroupings)."""
-    axes = step.axes if len(step.axes) > 1 else step.axes[0]
-    after = step.after.local_shape(shape, self.mesh)
-    if step.kind == "all-reduce":
-      return _all_reduce(x, axes, step.before.partial_op)
-    if step.kind == "reduce-scatter":
-      x = _pad_to(x, step.dim, after[step.dim] * self.mesh[step.axes[0]])
-      return lax.psum_scatter(x, axes, scatter_dimension=step.dim, tiled=True)
-    if step.kind == "all-gather":
-      return _cut(lax.all_gather(x, axes, axis=step.dim, tiled=True), step.dim, after[step.dim])
-    if step.kind == "all-to-all":
-      x = _pad_to(x, step.dst_dim, after[step.dst_dim] * self.mesh[step.axes[0]])
-      x = lax.all_to_all(x, axes, split_axis=step.dst_dim, concat_axis=step.dim, tiled=True)
-      return _cut(x, step.dim, after[step.dim])
-    if step.kind == "collective-permute":
-      return permute(x, step.before.dims[step.dim], self._perm(step), self.mesh)
-    if step.kind == "dynamic-slice":
-      size = after[step.dim]
-      x = _pad_to(x, step.dim, size * math.prod(self.mesh[a] for a in step.axes))
-      return lax.dynamic_slice_in_dim(x, shard_index(step.axes) * size, size, step.dim)
-    raise AssertionError(f"unknown reshard step {step.kind}")
-
-  def _perm(self, step: ReshardStep) -> list[tuple[int, int]]:
-    """Axes of one dim change order: the device at block b_after(c) gets it from b_before."""
-    before, after = step.before.dims[step.dim], step.after.dims[step.dim]
-
-    def block(order, coords) -> int:
-      return int(np.ravel_multi_index([coords[a] for a in order],
-                                      [self.mesh[a] for a in order]))
-
-    pairs = []
-    for idx in itertools.product(*(range(self.mesh[a]) for a in before)):
-      coords = dict(zip(before, idx))
-      pairs.append((block(after, coords), block(before, coords)))
-    return pairs
 
   # --- ops --------------------------------------------------------------------------------------
 
@@ -162,23 +118,3 @@ class _Interpreter:
     self.ops(r.ops, env)
     self.transfers(r.exit, env)
     return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]
-
-
-def _pad_to(x: Any, dim: int, size: int) -> Any:
-  """Pads ``dim`` at the end up to ``size`` (a whole uneven dim about to be split)."""
-  if x.shape[dim] >= size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[dim] = (0, size - x.shape[dim])
-  return jnp.pad(x, widths)
-
-
-def _cut(x: Any, dim: int, size: int) -> Any:
-  """Drops the padding of a dim gathered whole."""
-  return x if x.shape[dim] == size else lax.slice_in_dim(x, 0, size, axis=dim)
-
-
-def _all_reduce(x: Any, axes: Any, op: str) -> Any:
-  if x.dtype == jnp.bool_:
-    return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
-  return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)

@@ -1,4 +1,5 @@
-"""Sharding A → sharding B as a list of steps: the only place that picks collectives.
+"""Sharding A → sharding B as a list of steps: the only place that picks collectives, and where
+each step is carried out.
 
 Order (cheapest first, as XLA prefers): pending partial sums are reduced (reduce-scatter where
 the target shards that axis, else all-reduce); dims whose axes only change order are permuted;
@@ -7,6 +8,12 @@ an axis that moves from one dim to another is an all-to-all (made the minor axis
 first by a collective-permute); axes to drop are all-gathered;
 finally the remaining axes are sliced locally.
 
+Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
+per-device input and output buffers of its collective (padding included), ``bytes`` is the
+larger of the two, and ``apply`` runs the collective on exactly those buffers (the local block
+padded to the input buffer, the output cut to the local block of ``after``). So what the plan
+counts is what the program moves.
+
 Uneven dims (size N not divisible by the shard count n) are held padded: shard k has rows
 [k*S, (k+1)*S), S = ceil(N/n), rows past N are padding. A step that regroups shards is only
 taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise the dim is gathered whole
@@ -14,32 +21,194 @@ taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise the dim is gat
 """
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from spmd.partition.devices import permute, shard_index
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
-COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-                    "collective-permute")
+Shape = Sequence[int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReshardStep:
-  """One step; ``dim``/``dst_dim`` say which dims it acts on; ``bytes`` is per device: the larger
-  of its input and output buffers (0 for a local dynamic-slice)."""
+  """One step on a tensor of global shape ``shape``: ``before`` → ``after`` over mesh ``axes``,
+  acting on dim ``dim``. ``bytes`` is per device: the larger of its ``buffers`` at ``itemsize``
+  bytes per element (0 for a step that does not communicate)."""
 
-  kind: str                    # a COLLECTIVE_KINDS entry or "dynamic-slice"
+  kind: ClassVar[str]
+  communicates: ClassVar[bool] = True
   axes: Axes
   before: TensorSharding
   after: TensorSharding
-  bytes: int
   dim: int | None = None
-  dst_dim: int | None = None
+  bytes: int = field(init=False)
+  shape: InitVar[Shape]
+  itemsize: InitVar[int]
+  mesh: InitVar[MeshShape]
+
+  def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
+    moved = 0
+    if self.communicates:
+      src, out = self.buffers(shape, mesh)
+      moved = max(math.prod(src), math.prod(out)) * itemsize
+    object.__setattr__(self, "bytes", moved)
+
+  def count(self, mesh: MeshShape) -> int:
+    """Devices along ``axes``: the blocks the step combines or splits."""
+    return math.prod(mesh[a] for a in self.axes)
 
   @property
-  def communicates(self) -> bool:
-    return self.kind in COLLECTIVE_KINDS
+  def axis_name(self) -> str | Axes:
+    """``axes`` as a collective names them."""
+    return self.axes if len(self.axes) > 1 else self.axes[0]
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    """The per-device input and output buffers: by default the local blocks before and after."""
+    return (list(self.before.local_shape(shape, mesh)),
+            list(self.after.local_shape(shape, mesh)))
+
+  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    """Carries the step out on the local block ``x``: padded to the input buffer (a whole uneven
+    dim about to be split), the collective, then cut to the local block of ``after`` (a dim
+    gathered whole loses its padding)."""
+    src, _ = self.buffers(shape, mesh)
+    return cut_to(self.run(pad_to(x, src), mesh), self.after.local_shape(shape, mesh))
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    """The collective (or local slice) on the input buffer ``x``."""
+    raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduce(ReshardStep):
+  """Reduces the pending partial sums over ``axes`` (with ``before.partial_op``)."""
+
+  kind: ClassVar[str] = "all-reduce"
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    return _all_reduce(x, self.axis_name, self.before.partial_op)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Split(ReshardStep):
+  """A step that keeps this device's block of ``dim`` split further over ``axes``: its input
+  holds ``count`` output blocks (an uneven dim padded to them)."""
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    src, out = super().buffers(shape, mesh)
+    src[self.dim] = self.count(mesh) * out[self.dim]
+    return src, out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReduceScatter(_Split):
+  """Reduces the partial sums over ``axes`` and keeps this device's block of ``dim``."""
+
+  kind: ClassVar[str] = "reduce-scatter"
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    return lax.psum_scatter(x, self.axis_name, scatter_dimension=self.dim, tiled=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllGather(ReshardStep):
+  """Concatenates the ``count`` blocks of ``dim`` (padded blocks: an uneven dim's padding is cut
+  afterwards)."""
+
+  kind: ClassVar[str] = "all-gather"
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    src, _ = super().buffers(shape, mesh)
+    out = list(src)
+    out[self.dim] = self.count(mesh) * src[self.dim]
+    return src, out
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    return lax.all_gather(x, self.axis_name, axis=self.dim, tiled=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAll(ReshardStep):
+  """Moves the minor axis of ``dim`` to ``dst_dim``: ``dst_dim`` is split (padded to ``count``
+  blocks) and ``dim`` concatenated (padded blocks)."""
+
+  kind: ClassVar[str] = "all-to-all"
+  dst_dim: int
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    src, out = super().buffers(shape, mesh)
+    src[self.dst_dim] = self.count(mesh) * out[self.dst_dim]
+    out[self.dim] = self.count(mesh) * src[self.dim]
+    return src, out
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    return lax.all_to_all(x, self.axis_name, split_axis=self.dst_dim, concat_axis=self.dim,
+                          tiled=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectivePermute(ReshardStep):
+  """The axes of ``dim`` change order: whole blocks change places."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    return permute(x, self.before.dims[self.dim], self.pairs(mesh), mesh)
+
+  def pairs(self, mesh: MeshShape) -> list[tuple[int, int]]:
+    """(source, target) blocks in ``before``'s order: the device at a block's place in
+    ``after``'s order gets it from its place in ``before``'s."""
+    before, after = self.before.dims[self.dim], self.after.dims[self.dim]
+
+    def block(order: Axes, coords: dict[str, int]) -> int:
+      return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
+
+    out = []
+    for idx in itertools.product(*(range(mesh[a]) for a in before)):
+      coords = dict(zip(before, idx))
+      out.append((block(after, coords), block(before, coords)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicSlice(_Split):
+  """Keeps this device's block of ``dim`` split further over ``axes``: local, no communication."""
+
+  kind: ClassVar[str] = "dynamic-slice"
+  communicates: ClassVar[bool] = False
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    size = x.shape[self.dim] // self.count(mesh)
+    return lax.dynamic_slice_in_dim(x, shard_index(self.axes) * size, size, self.dim)
+
+
+def pad_to(x: jax.Array, shape: Shape) -> jax.Array:
+  """``x`` padded at the end of every dim shorter than ``shape`` (whole uneven dims about to be
+  split)."""
+  widths = [(0, max(0, n - m)) for n, m in zip(shape, x.shape)]
+  return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
+  """``x`` without the rows past ``shape`` (the padding of dims gathered whole)."""
+  for d, n in enumerate(shape):
+    if x.shape[d] > n:
+      x = lax.slice_in_dim(x, 0, n, axis=d)
+  return x
+
+
+def _all_reduce(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
+  if x.dtype == jnp.bool_:
+    return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
+  return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
 
 
 def _shard(n: int, count: int) -> int:
@@ -72,13 +241,14 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     left = tuple(a for a in src.partial if a in partial or a in dst.partial)
     return TensorSharding(tuple(tuple(d) for d in dims), left, src.partial_op if left else "sum")
 
-  def emit(kind: str, axes: Sequence[str], change, dim=None, dst_dim=None) -> None:
+  def emit(step: type[ReshardStep], axes: Sequence[str], change: Callable[[], Any],
+           **where: int) -> None:
+    """Appends a ``step`` over ``axes`` acting on the dims ``where`` names; ``change`` makes it
+    in the working sharding."""
     before = cur()
     change()
-    after = cur()
-    moved = 0 if kind == "dynamic-slice" else _buffer_bytes(kind, count(axes), before, after,
-                                                           dim, dst_dim, shape, itemsize, mesh)
-    steps.append(ReshardStep(kind, tuple(axes), before, after, moved, dim, dst_dim))
+    steps.append(step(axes=tuple(axes), before=before, after=cur(), shape=shape,
+                      itemsize=itemsize, mesh=mesh, **where))
 
   def wants_next(d: int, a: str) -> bool:
     want = target[d]
@@ -90,23 +260,23 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     for d in range(len(dims)):
       run = _scatter_run(a, partial, dims[d], target[d])
       if run and splits_exactly(shape[d], count(dims[d]), count(run)):
-        emit("reduce-scatter", run, lambda run=run, d=d: (
-            [partial.remove(b) for b in run], dims[d].extend(run)), d)
+        emit(ReduceScatter, run, lambda run=run, d=d: (
+            [partial.remove(b) for b in run], dims[d].extend(run)), dim=d)
         break
   if partial:
-    emit("all-reduce", list(partial), partial.clear)
+    emit(AllReduce, list(partial), partial.clear)
 
   # 2. Same axes in another order: a collective-permute.
   for d, want in enumerate(target):
     if dims[d] != want and sorted(dims[d]) == sorted(want):
-      emit("collective-permute", want, lambda d=d, want=want: dims[d].__setitem__(
-          slice(None), list(want)), d)
+      emit(CollectivePermute, want, lambda d=d, want=want: dims[d].__setitem__(
+          slice(None), list(want)), dim=d)
 
   # Uneven dims whose blocks do not nest between source and target are gathered whole first.
   for d, want in enumerate(target):
     have = dims[d]
     if have and want != have and not _nests(shape[d], have, want, mesh):
-      emit("all-gather", list(have), lambda d=d: dims[d].clear(), d)
+      emit(AllGather, list(have), lambda d=d: dims[d].clear(), dim=d)
 
   def used() -> set[str]:
     return {a for d in dims for a in d}
@@ -119,7 +289,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
              and want[len(dims[d]) + len(added)] not in added):
         added.append(want[len(dims[d]) + len(added)])
       if added and splits_exactly(shape[d], count(dims[d]), count(added)):
-        emit("dynamic-slice", added, lambda d=d, added=added: dims[d].extend(added), d)
+        emit(DynamicSlice, added, lambda d=d, added=added: dims[d].extend(added), dim=d)
 
   # 3. Local slices first, so that collectives move less.
   slice_free()
@@ -144,13 +314,14 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
         rest = [b for b in dims[i] if b != a]
         if target[i][:len(rest)] == rest and movable(i, a) is not None:
           order = rest + [a]
-          emit("collective-permute", order,
-               lambda i=i, order=order: dims[i].__setitem__(slice(None), order), i)
+          emit(CollectivePermute, order,
+               lambda i=i, order=order: dims[i].__setitem__(slice(None), order), dim=i)
           break
       a = dims[i][-1]
       j = movable(i, a)
       if j is not None:
-        emit("all-to-all", [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)), i, j)
+        emit(AllToAll, [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)),
+             dim=i, dst_dim=j)
         moved = True
   # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
   for d, want in enumerate(target):
@@ -161,15 +332,16 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
       lost = dims[d][keep:]
       if not gathers_exactly(shape[d], count(dims[d]), count(lost)):
         keep, lost = 0, list(dims[d])
-      emit("all-gather", lost, lambda d=d, keep=keep: dims[d].__delitem__(slice(keep, None)), d)
+      emit(AllGather, lost, lambda d=d, keep=keep: dims[d].__delitem__(slice(keep, None)),
+           dim=d)
   # 6. What is left is more tiling: local slices.
   slice_free()
   # 7. Uneven dims whose remaining axes cannot be cut from their blocks: whole, then sliced.
   for d, want in enumerate(target):
     if dims[d] != want:
       if dims[d]:
-        emit("all-gather", list(dims[d]), lambda d=d: dims[d].clear(), d)
-      emit("dynamic-slice", list(want), lambda d=d, want=want: dims[d].extend(want), d)
+        emit(AllGather, list(dims[d]), lambda d=d: dims[d].clear(), dim=d)
+      emit(DynamicSlice, list(want), lambda d=d, want=want: dims[d].extend(want), dim=d)
   if cur() != dst:
     raise AssertionError(f"reshard {src} -> {dst} of {tuple(shape)} stopped at {cur()}")
   return tuple(steps)
@@ -186,22 +358,6 @@ def _scatter_run(first: str, partial: Sequence[str], have: Sequence[str],
       break
     run.append(b)
   return run
-
-
-def _buffer_bytes(kind: str, k: int, before: TensorSharding, after: TensorSharding, dim: int | None,
-                  dst_dim: int | None, shape: Sequence[int], itemsize: int, mesh: MeshShape) -> int:
-  """The larger of a collective's per-device input and output buffers, padding included: an
-  uneven dim is gathered as k padded blocks and split from a padded whole."""
-  src = list(before.local_shape(shape, mesh))
-  out = list(after.local_shape(shape, mesh))
-  if kind == "all-gather":
-    out[dim] = k * src[dim]
-  elif kind == "reduce-scatter":
-    src[dim] = k * out[dim]
-  elif kind == "all-to-all":
-    src[dst_dim] = k * out[dst_dim]
-    out[dim] = k * src[dim]
-  return max(math.prod(src), math.prod(out)) * itemsize
 
 
 def _nests(n: int, have: Sequence[str], want: Sequence[str], mesh: MeshShape) -> bool:
