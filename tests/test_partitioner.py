@@ -71,6 +71,21 @@ def test_a_major_axis_moving_to_another_dim_is_permute_then_all_to_all(axes, src
   assert plan.total_bytes <= collective_bytes(xla.lower(X).compile().as_text())
 
 
+@pytest.mark.parametrize("rows", [13, 14])
+def test_a_major_axis_moving_out_of_an_uneven_dim_is_permute_then_all_to_all(mesh, rows):
+  """Blocks of 2 rows over (data, model) regroup exactly into blocks of 4 over model, so data is
+  made minor by reordering whole (padded) blocks and moved, as XLA does."""
+  src, dst = P(("data", "model"), None), P("model", "data")
+  x = jnp.linspace(-1, 1, rows * 16, dtype=jnp.float32).reshape(rows, 16)
+  f = spmd.partition(lambda x: (spmd.annotate(x * 2, dst) + 1).sum(0), mesh=mesh, in_specs=src)
+  plan, hlo = _check(f, x)
+  assert [c.kind for c in plan.collectives][:2] == ["collective-permute", "all-to-all"]
+  assert "all-gather" not in {c.kind for c in collectives(hlo)}
+  pin = lambda s: lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))  # noqa
+  xla = jax.jit(lambda x: (pin(dst)(pin(src)(x) * 2) + 1).sum(0))
+  assert plan.total_bytes <= collective_bytes(xla.lower(x).compile().as_text())
+
+
 def test_more_tiling_is_a_local_slice(mesh):
   f = _reshard(mesh, P(), P("data", "model"))
   plan, hlo = _check(f, X)

@@ -302,15 +302,16 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     return None
 
   # 4. All-to-all: the minor axis of dim i is wanted next on dim j. An axis wanted elsewhere
-  # from a more major position of an even dim whose other axes stay is made minor first by a
-  # collective-permute (whole blocks change places), as XLA does, rather than gathered.
+  # from a more major position of a dim whose other axes stay is made minor first by a
+  # collective-permute (whole blocks change places, padded ones too), as XLA does, rather than
+  # gathered.
   moved = True
   while moved:
     moved = False
     for i in range(len(dims)):
       if not dims[i] or target[i][:len(dims[i])] == dims[i]:
         continue
-      for a in dims[i][-2::-1] if shape[i] % count(dims[i]) == 0 else ():
+      for a in dims[i][-2::-1]:
         rest = [b for b in dims[i] if b != a]
         if target[i][:len(rest)] == rest and movable(i, a) is not None:
           order = rest + [a]
