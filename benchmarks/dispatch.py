@@ -1,11 +1,13 @@
 """Per-call overhead of a partitioned function against ``jax.jit`` with the same shardings.
 
-    python benchmarks/dispatch.py [--leaves 100] [--rounds 15]
+    python benchmarks/dispatch.py [--leaves 100] [--rounds 15] [--open]
 
 The function multiplies every leaf of a pytree of small arrays by 2 on 8 simulated CPU devices,
 so a call is mostly dispatch: flattening, cache lookup, launching. Both are called in the
 steady state (compiled, arguments already placed), in interleaved rounds; the report is the
-median time per call of each and the median of the per-round ratios ours / jax.jit.
+median time per call of each and the median of the per-round ratios ours / jax.jit. With
+``--open`` the partitioned function has no in_specs: the arguments' committed shardings seed its
+plan, so a call also checks that every leaf is still committed.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def main() -> None:
   parser.add_argument("--leaves", type=int, default=100)
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--calls", type=int, default=200)
+  parser.add_argument("--open", action="store_true", help="no in_specs: committed leaves seed")
   args = parser.parse_args()
   mesh = spmd.make_mesh({"data": 2, "model": 4})
   spec = P("data", None)
@@ -48,7 +51,7 @@ def main() -> None:
   def double(t):
     return jax.tree.map(lambda x: x * 2, t)
 
-  ours = spmd.partition(double, mesh=mesh, in_specs=spec, out_specs=spec)
+  ours = spmd.partition(double, mesh=mesh, in_specs=None if args.open else spec, out_specs=spec)
   xla = jax.jit(double, in_shardings=sharding, out_shardings=sharding)
   for fn in (ours, xla):
     per_call(fn, (tree,), 10)
@@ -58,7 +61,8 @@ def main() -> None:
     times["ours"].append(per_call(ours, (tree,), args.calls))
     times["jit"].append(per_call(xla, (tree,), args.calls))
     ratios.append(times["ours"][-1] / times["jit"][-1])
-  print(f"per-call time, pytree of {args.leaves} leaves, jax {jax.__version__}, "
+  print(f"per-call time, pytree of {args.leaves} leaves{', open in_specs' if args.open else ''}, "
+        f"jax {jax.__version__}, "
         f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
   for name, values in times.items():
     print(f"  {name:5s} median {statistics.median(values) * 1e3:.3f} ms "
