@@ -156,26 +156,39 @@ class AllToAll(ReshardStep):
 
 @dataclass(frozen=True, kw_only=True)
 class CollectivePermute(ReshardStep):
-  """The axes of ``dim`` change order: whole blocks change places."""
+  """The axes of ``dim`` change order: whole blocks change places, between devices that differ
+  along ``axes`` (the reordered axes whose coordinate changes; see ``moving_axes``)."""
 
   kind: ClassVar[str] = "collective-permute"
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    return permute(x, self.before.dims[self.dim], self.pairs(mesh), mesh)
+    before = self.before.dims[self.dim]
+    return permute(x, before, _reorder_pairs(before, self.after.dims[self.dim], mesh), mesh)
 
-  def pairs(self, mesh: MeshShape) -> list[tuple[int, int]]:
-    """(source, target) blocks in ``before``'s order: the device at a block's place in
-    ``after``'s order gets it from its place in ``before``'s."""
-    before, after = self.before.dims[self.dim], self.after.dims[self.dim]
+  @staticmethod
+  def moving_axes(before: Sequence[str], after: Sequence[str], mesh: MeshShape) -> Axes:
+    """The axes along which a reorder ``before`` → ``after`` of one dim's axes moves blocks (in
+    ``after``'s order): an axis that keeps its place and stride moves nothing."""
+    sizes = [mesh[a] for a in before]
+    moving: set[str] = set()
+    for source, target in _reorder_pairs(before, after, mesh):
+      moving |= {a for a, i, j in zip(before, np.unravel_index(source, sizes),
+                                      np.unravel_index(target, sizes)) if i != j}
+    return tuple(a for a in after if a in moving)
 
-    def block(order: Axes, coords: dict[str, int]) -> int:
-      return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
 
-    out = []
-    for idx in itertools.product(*(range(mesh[a]) for a in before)):
-      coords = dict(zip(before, idx))
-      out.append((block(after, coords), block(before, coords)))
-    return out
+def _reorder_pairs(before: Sequence[str], after: Sequence[str],
+                   mesh: MeshShape) -> list[tuple[int, int]]:
+  """(source, target) blocks of a reorder of one dim's axes, linearized in ``before``'s order:
+  the device at a block's place in ``after``'s order gets it from its place in ``before``'s."""
+  def block(order: Sequence[str], coords: dict[str, int]) -> int:
+    return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
+
+  out = []
+  for idx in itertools.product(*(range(mesh[a]) for a in before)):
+    coords = dict(zip(before, idx))
+    out.append((block(after, coords), block(before, coords)))
+  return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,8 +282,8 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   # 2. Same axes in another order: a collective-permute.
   for d, want in enumerate(target):
     if dims[d] != want and sorted(dims[d]) == sorted(want):
-      emit(CollectivePermute, want, lambda d=d, want=want: dims[d].__setitem__(
-          slice(None), list(want)), dim=d)
+      emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], want, mesh),
+           lambda d=d, want=want: dims[d].__setitem__(slice(None), list(want)), dim=d)
 
   # Uneven dims whose blocks do not nest between source and target are gathered whole first.
   for d, want in enumerate(target):
@@ -315,7 +328,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
         rest = [b for b in dims[i] if b != a]
         if target[i][:len(rest)] == rest and movable(i, a) is not None:
           order = rest + [a]
-          emit(CollectivePermute, order,
+          emit(CollectivePermute, CollectivePermute.moving_axes(dims[i], order, mesh),
                lambda i=i, order=order: dims[i].__setitem__(slice(None), order), dim=i)
           break
       a = dims[i][-1]
