@@ -74,6 +74,12 @@ def cases(h: int) -> list[Case]:
       Case("jnp.roll by -3", lambda x, k: jnp.roll(x, -3, axis=1), (1, h, c, 8), None, None),
       Case("jnp.roll by 100 (past a shard)", lambda x, k: jnp.roll(x, 100, axis=1), (1, h, c, 8),
            None, None),
+      Case("max pool 3x3/2 SAME gradient", lambda x, k: jax.grad(lambda x: (lax.reduce_window(
+          x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (0, 1), (0, 1), (0, 0)))
+                                                                  ** 2).sum())(x),
+           (1, h, c, 8), None, None),
+      Case("jnp.roll by 1 gradient", lambda x, k: jax.grad(
+          lambda x: (jnp.roll(x, 1, axis=1) * x).sum())(x), (1, h, c, 8), None, None),
       Case("conv weight gradient", lambda x, k: jax.grad(
           lambda k, x: (conv(x, k) ** 2).sum())(k, x), (1, h, c, 4), (3, 3, 4, 4), None),
   ]
@@ -106,7 +112,7 @@ def measure(case: Case, mesh: jax.sharding.Mesh) -> tuple[int, int, int | None, 
   ours = collective_bytes(f.lower(x, k).compile().as_text())
   plan = f.plan(x, k)
   assert plan.total_bytes == ours, plan.explain()
-  halo = sum(c.bytes for c in plan.collectives if "halo" in c.tensor)
+  halo = sum(c.bytes for c in plan.collectives if c.halo is not None)
   minimum = None
   if case.window:
     row = case.x_shape[2] * case.x_shape[3] * 4
