@@ -1,7 +1,7 @@
 """Search time of partition(auto=True) for an L-layer Transformer training step (AdamW), batch
 sharded over "data", params and optimizer state open, memory limit half the replicated state.
 
-  python benchmarks/auto.py [--layers 16]
+  python benchmarks/auto.py [--layers 1 4 16]
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ from spmd.models import transformer  # noqa: E402
 from spmd.train import make_train_step  # noqa: E402
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--layers", type=int, default=16)
-  layers = parser.parse_args().layers
+def report(layers: int) -> str:
+  """The search's summary for a Transformer step of ``layers`` layers."""
   config = transformer.Config(vocab=64, d_model=32, heads=4, head_dim=8, mlp=64, layers=layers)
   model = transformer.Transformer(config)
   tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32)
@@ -38,7 +36,14 @@ def main() -> None:
   f = spmd.partition(step, mesh=spmd.make_mesh({"data": 2, "model": 4}), auto=True,
                      memory_limit=replicated // 2, in_specs=(None, P("data", None)))
   search = f.plan(state, tokens).search
-  print(f"{layers} layers: " + "\n".join(search.lines()))
+  return f"{layers} layers: " + "\n".join(search.lines())
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--layers", type=int, nargs="+", default=[1, 4, 16])
+  for layers in parser.parse_args().layers:
+    print(report(layers), flush=True)
 
 
 if __name__ == "__main__":
