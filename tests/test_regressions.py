@@ -92,3 +92,75 @@ def test_annotation_rows_show_the_reshards_they_cause():
   (row,) = [r for r in plan.rows if r.primitive == "spmd_annotate"]
   assert [c.kind for c in row.collectives] == ["all-gather"]
   assert [c.kind for c in plan.collectives] == ["all-gather"]  # one gather, three readers
+
+
+def test_reduction_repeated_through_an_annotation_is_reduced_once():
+  """Both einsums pre-sum dim 'a' of x (jnp.einsum sums a dim only one operand has), the second
+  through an annotation that leaves x as it is: two reduce_sums of one value, each psum'd over
+  'a'. XLA's CSE merged the two all-reduces: HLO 4 B, plan 8 B. The second reduce_sum now
+  repeats the first (cse.py) and neither runs nor communicates."""
+  mesh = spmd.make_mesh({"a": 2, "b": 2, "c": 2})
+
+  @spmd.partition(mesh=mesh, in_specs=(P("a", None),))
+  def f(x0):
+    v1 = jnp.einsum("ab,cb->c", x0, x0)
+    v2 = spmd.annotate(x0, P(P.UNCONSTRAINED, None))
+    return jnp.einsum("ab,c->bc", v2, v1)
+
+  x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (2, 1), dtype=np.int32))
+  _check(f, x0)
+  assert [c.kind for c in f.plan(x0).collectives] == ["all-reduce"]
+
+
+def _sum_twice(annotations):
+  """x.sum(0) twice, the second read through ``annotations`` (specs applied in turn)."""
+  def f(x):
+    y = x
+    for spec in annotations:
+      y = spmd.annotate(y, spec)
+    return jnp.tanh(x.sum(0)), jnp.cos(y.sum(0))
+  return f
+
+
+def test_same_reduction_written_twice_is_reduced_once():
+  """The same sum on x, read directly, through one and through two annotations that keep x's
+  sharding: one all-reduce."""
+  mesh = spmd.make_mesh({"x": 4, "y": 2})
+  x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
+  for annotations in [(), (P("x", None),), (P("x", None), P(P.UNCONSTRAINED, None))]:
+    f = spmd.partition(_sum_twice(annotations), mesh=mesh, in_specs=P("x", None))
+    _check(f, x)
+    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"], annotations
+
+
+def test_reduction_after_an_annotation_that_moves_data_is_not_merged():
+  """When the annotation reshards x (P('x', None) -> P(None, 'x')), the second sum reads another
+  layout: the two sums stay two ops and the plan still prices what the program moves."""
+  mesh = spmd.make_mesh({"x": 4, "y": 2})
+  f = spmd.partition(_sum_twice((P(None, "x"),)), mesh=mesh, in_specs=P("x", None))
+  x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
+  _check(f, x)
+  assert sorted(c.kind for c in f.plan(x).collectives) == ["all-reduce", "all-to-all"]
+
+
+def test_random_draws_are_not_merged():
+  """Keyed draws from two keys read different values; stateful draws (rng_uniform, no key) are
+  two different arrays however equal their params: neither pair is merged."""
+  mesh = spmd.make_mesh({"x": 8})
+
+  @spmd.partition(mesh=mesh, in_specs=(P("x"), None))
+  def keyed(x, key):
+    k1, k2 = jax.random.split(key)
+    return x + jax.random.uniform(k1, (8,)), x + jax.random.uniform(k2, (8,))
+
+  x = jnp.arange(8, dtype=jnp.float32)
+  _check(keyed, x, jax.random.key_data(jax.random.key(0)))
+  a, b = keyed(x, jax.random.key_data(jax.random.key(0)))
+  assert not np.array_equal(a, b)
+
+  @spmd.partition(mesh=mesh, in_specs=P("x"))
+  def stateful(x):
+    return x + jax.lax.rng_uniform(0.0, 1.0, (8,)), x + jax.lax.rng_uniform(0.0, 1.0, (8,))
+
+  a, b = stateful(x)
+  assert not np.array_equal(a, b)

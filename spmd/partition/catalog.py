@@ -72,6 +72,10 @@ REPLICATED: dict[str, str] = {
     "composite": "a composite's decomposition runs on whole operands",
 }
 
+# Primitives whose every application draws new values from the device's generator state (no key
+# operand): two equal applications are two different arrays, never merged.
+STATEFUL = {"rng_uniform"}
+
 CONTROL_FLOW = {
     "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan, lambda p: p["length"]),
     "while": ControlFlow(("cond_jaxpr", "body_jaxpr"), control.while_, control.lower_while,
@@ -175,7 +179,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # control flow and calls
       *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
       *(((name,), PrimitiveInfo(inline=param)) for name, param in INLINED_CALLS.items()),
-      *(((name,), PrimitiveInfo(reason=why)) for name, why in REPLICATED.items()),
+      *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
+        for name, why in REPLICATED.items()),
   ]
 
 

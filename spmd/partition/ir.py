@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 from jax._src import source_info_util
@@ -215,7 +215,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    key = _cse_key(op)
+    key = cse_key(op)
     if key is not None and key in seen:
       alias.update(zip(op.outputs, seen[key].outputs))
       continue
@@ -225,10 +225,13 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   return kept, tuple(sub(a) for a in outputs)
 
 
-def _cse_key(op: Op) -> tuple | None:
-  if op.regions or op.eqn.effects:
+def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
+  """What makes two ops one computation: primitive, params and inputs (``name`` maps a value to
+  the value it equals); None for ops never merged (control flow, effects, stateful primitives)."""
+  info = describe(op.eqn.primitive)
+  if op.regions or op.eqn.effects or (info is not None and info.stateful):
     return None
-  inputs = tuple(a.id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
+  inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
                  for a in op.inputs)
   try:
     key = (op.primitive, inputs, tuple(sorted(op.params.items())))

@@ -101,7 +101,7 @@ class _Interpreter:
     for s in scheduled:
       self.transfers(s.transfers, env)
       if s.op.outputs and s.op.outputs[0] in self.aliases:
-        continue  # an annotation: nothing to run
+        continue  # an annotation or a repeated op (cse.py): nothing to run
       args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
       if s.regions:
         outs = describe(s.op.eqn.primitive).control.lower(self, s, args)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
+from spmd.partition.cse import duplicates
 from spmd.partition.halo_geometry import Exchange, Hop
 from spmd.partition.ir import Op, Program, Value, depth_first, layer
 from spmd.partition.primitives import describe
@@ -59,7 +60,7 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, platform: 
             for atom, spec in zip(program.outputs, boundary.outputs)]
   outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
   sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh,
-                   wire_for(platform))
+                   wire_for(platform), duplicates(program, prop.shardings))
   exits = {t.slot.index: t for t in sched.exit}
   warnings = [_uneven_output_warning(k, atom, wanted[k], outputs[k], exits.get(k), boundary, mesh)
               for k, atom in enumerate(program.outputs) if outputs[k] != wanted[k]]
@@ -138,7 +139,7 @@ def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Bounda
   producers = _producers(program, boundary)
   trips = _trips(program)
   annotations = {op.outputs[0]: op for op in program.all_ops()
-                 if op.outputs and op.outputs[0] in sched.aliases}
+                 if op.outputs and op.outputs[0] in sched.aliases and op not in sched.duplicates}
   by_op: dict[int, list[Collective]] = {}
   for s in sched.walk():
     outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])

@@ -65,6 +65,7 @@ class PrimitiveInfo:
   inline: str | None = None           # a call: the param whose body is inlined into the program
   annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
   reason: str = ""                    # why a primitive without a rule runs replicated
+  stateful: bool = False              # each application draws new values: never merged (cse_key)
 
 
 @functools.cache

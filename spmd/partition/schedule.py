@@ -77,6 +77,7 @@ class Schedule:
   exit: list[Transfer]
   outputs: tuple[TensorSharding, ...]
   aliases: dict[Value, Value]                    # an annotation's result -> the value it names
+  duplicates: dict[Op, Op]                       # an op repeating an earlier one (cse.py) -> it
 
   def walk(self) -> list[ScheduledOp]:
     """Every scheduled op, region ops right after their owner."""
@@ -85,12 +86,14 @@ class Schedule:
 
 class _Scheduler:
   def __init__(self, program: Program, constraints: list[Constraint],
-               shardings: Mapping[Value, TensorSharding], mesh: MeshShape, wire: Wire):
+               shardings: Mapping[Value, TensorSharding], mesh: MeshShape, wire: Wire,
+               duplicates: Mapping[Op, Op]):
     self.shardings, self.mesh, self.wire = shardings, mesh, wire
+    self.duplicates = duplicates
     self.by_op: dict[int, list[Constraint]] = {}
     for c in constraints:
       self.by_op.setdefault(c.op.index, []).append(c)
-    self.partial_ok = _partial_ok(program, self.by_op)
+    self.partial_ok = _partial_ok(program, self.by_op, duplicates)
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
@@ -131,6 +134,8 @@ class _Scheduler:
 
   def op(self, op: Op) -> ScheduledOp:
     constraints = self.by_op[op.index]
+    if op in self.duplicates:
+      return self.repeat(op, self.duplicates[op])
     if op.regions:
       return self.control(op, constraints)
     info = describe(op.eqn.primitive)
@@ -168,6 +173,15 @@ class _Scheduler:
     self.forms[result] = self.forms[source]  # the same list: a form made for one serves both
     self.aliases[result] = self.aliases.get(source, source)
     return ScheduledOp(op, [], (None,), (self.shardings[result],))
+
+  def repeat(self, op: Op, first: Op) -> ScheduledOp:
+    """An op repeating ``first`` (cse.py) runs nothing: its results are other names for first's,
+    sharing their forms, as an annotation's result does its operand's."""
+    for result, earlier in zip(op.outputs, first.outputs):
+      self.forms[result] = self.forms[earlier]
+      self.aliases[result] = earlier
+    writes = tuple(self.shardings[v] for v in op.outputs)
+    return ScheduledOp(op, [], (None,) * len(op.inputs), writes)
 
   def _order(self, axis: str) -> int:
     return list(self.mesh).index(axis)
@@ -238,22 +252,29 @@ class _Scheduler:
     return ScheduledOp(op, transfers, tuple(reads), final, None, tuple(regions))
 
 
-def _partial_ok(program: Program, by_op: dict[int, list[Constraint]]) -> dict[Value, bool]:
+def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
+                duplicates: Mapping[Op, Op]) -> dict[Value, bool]:
   """Values read once, by an op that can take a pending partial sum: only there does letting the
-  sum flow save a reduction (a second reader would reduce it again, or anyway)."""
+  sum flow save a reduction (a second reader would reduce it again, or anyway). A repeated op
+  (cse.py) reads nothing, and its readers read the earlier op's results."""
+  names = {v: earlier for dup, first in duplicates.items()
+           for v, earlier in zip(dup.outputs, first.outputs)}
   ok: dict[Value, bool] = {}
   for op in program.all_ops():
+    if op in duplicates:
+      continue
     linear = by_op[op.index][0].rule.linear_in if not op.regions else ()
     for k, x in enumerate(op.inputs):
       if isinstance(x, Value):
+        x = names.get(x, x)
         ok[x] = x not in ok and k in linear
     for region in op.regions:
       for x in region.outputs:
         if isinstance(x, Value):
-          ok[x] = False
+          ok[names.get(x, x)] = False
   for x in program.outputs:
     if isinstance(x, Value):
-      ok[x] = False
+      ok[names.get(x, x)] = False
   return ok
 
 
@@ -283,11 +304,12 @@ def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
 def schedule(program: Program, constraints: list[Constraint],
              shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
              entries: tuple[TensorSharding | None, ...], outputs: tuple[TensorSharding, ...],
-             mesh: MeshShape, wire: Wire) -> Schedule:
+             mesh: MeshShape, wire: Wire, duplicates: Mapping[Op, Op]) -> Schedule:
   """``inputs``: the form each input arrives in; ``entries``: the form it is resharded to first
   (None: kept as it arrives); ``outputs``: the forms handed back; ``wire``: the bytes a
-  collective moves per element of a dtype on the backend compiled for."""
-  s = _Scheduler(program, constraints, shardings, mesh, wire)
+  collective moves per element of a dtype on the backend compiled for; ``duplicates``: ops
+  repeating an earlier op (cse.py), which run nothing."""
+  s = _Scheduler(program, constraints, shardings, mesh, wire, duplicates)
   for v in program.consts:
     s.forms[v] = [TensorSharding.replicated(len(v.shape))]
   for v, arrives in zip(program.inputs, inputs):
@@ -301,5 +323,5 @@ def schedule(program: Program, constraints: list[Constraint],
   for k, (x, want) in enumerate(zip(program.outputs, outputs)):
     if isinstance(x, Value):
       s.acquire(x, want, exit_transfers, Slot("output", k))
-  return Schedule(inputs, entry, ops, exit_transfers, outputs, s.aliases)
+  return Schedule(inputs, entry, ops, exit_transfers, outputs, s.aliases, dict(duplicates))
 
