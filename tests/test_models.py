@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -13,10 +14,12 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
 from helpers import assert_trees_match
+from spmd.hlo import collective_bytes
 from spmd.models import mlp, transformer
 from spmd.train import create_train_state, init_module, make_train_step
 
@@ -43,19 +46,31 @@ def _tokens(config: transformer.Config, seed: int = 0) -> jax.Array:
   return jnp.asarray(rng.integers(0, config.vocab, (BATCH, SEQ + 1)), jnp.int32)
 
 
+@functools.lru_cache(maxsize=None)
+def _training(config: transformer.Config) -> tuple[Callable, optax.GradientTransformation,
+                                                    Callable]:
+  """The params initialiser, the optimizer and the training step of a Transformer (the same
+  objects every time: a TrainState's tree holds its optimizer)."""
+  model = transformer.Transformer(config)
+  init = lambda key: model.init(key, _tokens(config)[:, :-1])["params"]  # noqa: E731
+  step = make_train_step(functools.partial(transformer.next_token_loss, model))
+  return init, optax.adamw(LEARNING_RATE), step
+
+
+def _unpartitioned_state(init: Callable, tx: optax.GradientTransformation
+                         ) -> Callable[[jax.Array], TrainState]:
+  return lambda key: TrainState.create(apply_fn=None, params=nn.unbox(init(key)), tx=tx)
+
+
 def _run_transformer(config: transformer.Config, strategy: str) -> spmd.Plan:
   """Creates the sharded train state, runs STEPS partitioned steps (state donated) beside the
   unpartitioned ones, compares everything, and returns the step's plan."""
   mesh, rules = _mesh(), transformer.RULES[strategy]
-  model = transformer.Transformer(config)
   tokens = [_tokens(config, seed) for seed in range(STEPS)]
-  init = lambda key: model.init(key, tokens[0][:, :-1])["params"]  # noqa: E731
-  tx = optax.adamw(LEARNING_RATE)
+  init, tx, step = _training(config)
   state, specs = create_train_state(init, tx, mesh, jax.random.key(0), rules=rules)
-  want = jax.jit(lambda key: TrainState.create(apply_fn=None, params=nn.unbox(init(key)),
-                                               tx=tx))(jax.random.key(0))
+  want = jax.jit(_unpartitioned_state(init, tx))(jax.random.key(0))
   assert_trees_match(state, want, rtol=0, atol=0)  # the partitioned init draws the same values
-  step = make_train_step(functools.partial(transformer.next_token_loss, model))
   partitioned = spmd.partition(step, mesh=mesh, rules=rules, donate_argnums=0,
                                in_specs=(specs, P("act_batch", None)), out_specs=(specs, P()))
   plan = partitioned.plan(state, tokens[0])
@@ -72,6 +87,20 @@ def _run_transformer(config: transformer.Config, strategy: str) -> spmd.Plan:
       plan.out_specs[0], is_leaf=lambda x: isinstance(x, P))):
     assert leaf.sharding.spec == spec  # the state stays sharded as its specs say
   return plan
+
+
+def _xla_step_bytes(config: transformer.Config, strategy: str, plan: spmd.Plan) -> int:
+  """Collective bytes per device of ``jax.jit``'s training step given the plan's boundary specs,
+  the model's logical constraints resolved through the same rules."""
+  mesh, rules = _mesh(), transformer.RULES[strategy]
+  init, tx, step = _training(config)
+  state = jax.eval_shape(_unpartitioned_state(init, tx), jax.random.key(0))
+  named = lambda specs: jax.tree.map(  # noqa: E731
+      lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  step = jax.jit(step, in_shardings=named(plan.in_specs), out_shardings=named(plan.out_specs))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+    return collective_bytes(step.lower(state, tokens).compile().as_text())
 
 
 def _bytes(plan: spmd.Plan, kind: str, axes: tuple[str, ...]) -> list[int]:
@@ -101,13 +130,19 @@ def test_data_parallel_all_reduces_each_gradient_once():
 def test_fsdp_gathers_params_and_reduce_scatters_gradients():
   plan = _run_transformer(TINY, "fsdp")
   everything = _param_bytes(TINY, {})
+  table = TINY.vocab * TINY.d_model * 4
   assert _param_bytes(TINY, {"embed": 8}) == everything // 8  # every param has an embed dim
-  # each param is gathered once for the step and its gradient reduce-scattered once, over all 8
-  # devices; activations never move
-  assert sum(_bytes(plan, "all-gather", ("data", "model"))) == everything
-  assert sum(_bytes(plan, "reduce-scatter", ("data", "model"))) == everything
+  # each param but the embedding table is gathered once for the step and its gradient
+  # reduce-scattered once, over all 8 devices. The table stays split along embed (as XLA does):
+  # the lookup gathers the token ids, and its result (and the gradient's cotangent) move between
+  # the embed and batch splits by one all-to-all each
+  tokens, embedded = BATCH * SEQ * 4, BATCH * SEQ * TINY.d_model * 4 // 8
+  assert sorted(_bytes(plan, "all-gather", ("data", "model"))) == sorted(
+      _bytes(plan, "reduce-scatter", ("data", "model")) + [tokens])
+  assert sum(_bytes(plan, "reduce-scatter", ("data", "model"))) == everything - table
+  assert _bytes(plan, "all-to-all", ("data", "model")) == [embedded] * 2
   assert _bytes(plan, "all-reduce", ("data", "model")) == [4]  # the loss
-  assert {c.kind for c in plan.collectives} == {"all-gather", "reduce-scatter", "all-reduce"}
+  assert plan.total_bytes <= _xla_step_bytes(TINY, "fsdp", plan), plan.explain()
 
 
 def test_megatron_all_reduces_each_block_once_forward_and_once_backward():

@@ -43,6 +43,7 @@ def _reshard(mesh, src, dst):
     (P(("data", "model"), None), P(None, None), "all-gather"),
     (P("model", None), P(None, "model"), "all-to-all"),
     (P(("data", "model"), None), P("data", "model"), "all-to-all"),
+    (P(("data", "model"), None), P(None, ("data", "model")), "all-to-all"),  # both at once
     (P(("data", "model"), None), P(("model", "data"), None), "collective-permute"),
 ])
 def test_reshard_kinds_appear_in_hlo(mesh, src, dst, kind):

@@ -61,8 +61,9 @@ class Execution:
 def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
                    price: Price, wire: Wire) -> Execution:
   options = [_execute(c, axes, mesh) for axes in dict.fromkeys(
-      _factor_axes(c, shardings, mesh, reductions_first, operands_first)
-      for reductions_first, operands_first in ((True, False), (False, False), (True, True)))]
+      _factor_axes(c, shardings, mesh, first, operands_first)
+      for first, operands_first in (("reductions", False), ("others", False),
+                                    ("reductions", True), ("larger", True)))]
   if len(options) == 1:
     return options[0]
 
@@ -106,9 +107,12 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
 
 
 def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
-                 reductions_first: bool, operands_first: bool) -> tuple[Axes, ...]:
+                 first: str, operands_first: bool) -> tuple[Axes, ...]:
   """Axes per factor: the results' (the operands' with ``operands_first``), else the operands';
-  a mesh axis two factors want goes to the reductions first, or to the others."""
+  a mesh axis two factors want goes to the factors ``first`` names: the "reductions", the
+  "others", or those of the "larger" operand (the smaller one is resharded: GSPMD's choice for a
+  dot, and an embedding lookup's: its table keeps its split and the small indices are
+  gathered)."""
   rule = c.rule
   from_results = _projections(c.results, rule.results, shardings, rule, mesh)
   from_operands = _projections(c.operands, rule.operands, shardings, rule, mesh)
@@ -120,9 +124,12 @@ def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh:
       chosen[f] = from_results[f][0][1]
     elif f in from_operands:
       chosen[f] = _agreed(from_operands[f])
-  # A clashing axis goes to the factors that come first: reductions or result factors.
-  order = sorted(chosen, key=lambda f: ((rule.kinds[f] is FactorKind.REDUCTION)
-                                        != reductions_first, f))
+  def rank(f: int) -> tuple[int, int]:
+    if first == "larger":
+      return -max((size for size, axes in from_operands.get(f, []) if axes), default=0), f
+    return (rule.kinds[f] is FactorKind.REDUCTION) != (first == "reductions"), f
+
+  order = sorted((f for f in chosen if chosen[f]), key=rank)
   used: set[str] = set()
   final: list[Axes] = [()] * rule.num_factors
   for f in order:

@@ -4,8 +4,8 @@ each step is carried out.
 Order (cheapest first, as XLA prefers): pending partial sums are reduced (reduce-scatter where
 the target shards that axis, else all-reduce); dims whose axes only change order are permuted;
 axes free everywhere are sliced locally (no communication) so later collectives move less;
-an axis that moves from one dim to another is an all-to-all (made the minor axis of its dim
-first by a collective-permute); axes to drop are all-gathered;
+axes that move from one dim to another are an all-to-all (one for a run of minor axes; an axis
+is made the minor axis of its dim first by a collective-permute); axes to drop are all-gathered;
 finally the remaining axes are sliced locally.
 
 Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
@@ -137,8 +137,8 @@ class AllGather(ReshardStep):
 
 @dataclass(frozen=True, kw_only=True)
 class AllToAll(ReshardStep):
-  """Moves the minor axis of ``dim`` to ``dst_dim``: ``dst_dim`` is split (padded to ``count``
-  blocks) and ``dim`` concatenated (padded blocks)."""
+  """Moves the minor axes ``axes`` of ``dim`` to ``dst_dim``: ``dst_dim`` is split (padded to
+  ``count`` blocks) and ``dim`` concatenated (padded blocks)."""
 
   kind: ClassVar[str] = "all-to-all"
   dst_dim: int
@@ -263,9 +263,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     steps.append(step(axes=tuple(axes), before=before, after=cur(), shape=shape,
                       itemsize=itemsize, mesh=mesh, **where))
 
-  def wants_next(d: int, a: str) -> bool:
-    want = target[d]
-    return len(want) > len(dims[d]) and want[:len(dims[d])] == dims[d] and want[len(dims[d])] == a
+  def wants_next(d: int, run: Sequence[str]) -> bool:
+    want, have = target[d], len(dims[d])
+    return want[:have] == dims[d] and want[have:have + len(run)] == list(run)
 
   # 1. Partial sums: reduce-scatter into the dim that wants the axis next (one collective for a
   # run of axes that dim wants in turn), else all-reduce.
@@ -306,15 +306,17 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
 
   # 3. Local slices first, so that collectives move less.
   slice_free()
-  def movable(i: int, a: str) -> int | None:
-    """The dim that wants axis ``a`` of dim ``i`` next, if an all-to-all can move it there."""
+  def movable(i: int, run: Sequence[str]) -> int | None:
+    """The dim that wants axes ``run`` of dim ``i`` next, in order, if one all-to-all can move
+    them there."""
     for j in range(len(dims)):
-      if (j != i and wants_next(j, a) and gathers_exactly(shape[i], count(dims[i]), mesh[a])
-          and splits_exactly(shape[j], count(dims[j]), mesh[a])):
+      if (j != i and wants_next(j, run) and gathers_exactly(shape[i], count(dims[i]), count(run))
+          and splits_exactly(shape[j], count(dims[j]), count(run))):
         return j
     return None
 
-  # 4. All-to-all: the minor axis of dim i is wanted next on dim j. An axis wanted elsewhere
+  # 4. All-to-all: the minor axes of dim i are wanted next on dim j, in order (one all-to-all
+  # over all of them, the longest such run first). An axis wanted elsewhere
   # from a more major position of a dim whose other axes stay is made minor first by a
   # collective-permute (whole blocks change places, padded ones too), as XLA does, rather than
   # gathered.
@@ -326,17 +328,19 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
         continue
       for a in dims[i][-2::-1]:
         rest = [b for b in dims[i] if b != a]
-        if target[i][:len(rest)] == rest and movable(i, a) is not None:
+        if target[i][:len(rest)] == rest and movable(i, [a]) is not None:
           order = rest + [a]
           emit(CollectivePermute, CollectivePermute.moving_axes(dims[i], order, mesh),
                lambda i=i, order=order: dims[i].__setitem__(slice(None), order), dim=i)
           break
-      a = dims[i][-1]
-      j = movable(i, a)
-      if j is not None:
-        emit(AllToAll, [a], lambda i=i, j=j, a=a: (dims[i].pop(), dims[j].append(a)),
-             dim=i, dst_dim=j)
-        moved = True
+      for k in range(len(dims[i]), 0, -1):
+        run = dims[i][-k:]
+        j = movable(i, run)
+        if j is not None:
+          emit(AllToAll, run, lambda i=i, j=j, run=run: (
+              dims[i].__delitem__(slice(-len(run), None)), dims[j].extend(run)), dim=i, dst_dim=j)
+          moved = True
+          break
   # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
   for d, want in enumerate(target):
     keep = 0
