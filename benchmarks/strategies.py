@@ -1,6 +1,6 @@
-"""The Transformer LM's training step under each rule set (spmd.models.transformer.RULES), ours
-side by side with ``jax.jit`` given the same shardings and the same rules for the model's logical
-constraints.
+"""The Transformer LM's training step under each rule set (spmd.models.transformer.RULES), and the
+MoE LM's (spmd.models.moe.RULES), ours side by side with ``jax.jit`` given the same shardings and
+the same rules for the model's logical constraints.
 
     python benchmarks/strategies.py [--quick]
 
@@ -15,7 +15,8 @@ import argparse
 import functools
 import statistics
 import sys
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import run  # sets up the 8 simulated devices before JAX starts; shared table / HLO helpers
 
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import spmd  # noqa: E402
-from spmd.models import transformer  # noqa: E402
+from spmd.models import moe, transformer  # noqa: E402
 from spmd.train import create_train_state, make_train_step  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
@@ -36,6 +37,28 @@ SIZES = {"full": (transformer.Config(vocab=256, d_model=256, heads=8, head_dim=3
                                      layers=4), 16, 128),
          "quick": (transformer.Config(vocab=128, d_model=64, heads=4, head_dim=16, mlp=256,
                                       layers=2), 8, 32)}
+
+
+@dataclass(frozen=True)
+class Family:
+  """A language model whose strategies are compared: its rule sets, model, next-token loss, the
+  logical name of its batch dim and its (config, batch, seq) per size."""
+
+  name: str
+  rules: Mapping[str, Any]
+  model: Callable[[Any], nn.Module]
+  loss: Callable[..., jax.Array]
+  batch_axis: str
+  sizes: Mapping[str, tuple[Any, int, int]]
+
+
+FAMILIES = (
+    Family("Transformer", transformer.RULES, transformer.Transformer, transformer.next_token_loss,
+           "act_batch", SIZES),
+    Family("MoE LM", moe.RULES, moe.MoELM, moe.next_token_loss, "act_group",
+           {"full": (moe.Config(vocab=256, d_model=256, mlp=1024), 16, 128),
+            "quick": (moe.Config(vocab=128, d_model=64, mlp=256), 8, 32)}),
+)
 
 
 def _shards(spec: P, mesh: Mesh) -> int:
@@ -63,16 +86,16 @@ def _xla_program(step: Any, mesh: Mesh, rules: Any, in_specs: Any, out_specs: An
   return lower
 
 
-def measure(name: str, config: transformer.Config, batch: int, seq: int, runs: int) -> tuple:
+def measure(family: Family, name: str, config: Any, batch: int, seq: int, runs: int) -> tuple:
   mesh = spmd.make_mesh(MESH)
-  rules = transformer.RULES[name]
-  model = transformer.Transformer(config)
+  rules = family.rules[name]
+  model = family.model(config)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1)),
                        jnp.int32)
   state, specs = create_train_state(lambda key: model.init(key, tokens[:, :-1])["params"],
                                     optax.adamw(1e-3), mesh, jax.random.key(0), rules=rules)
-  step = make_train_step(functools.partial(transformer.next_token_loss, model))
-  ours = spmd.partition(step, mesh=mesh, rules=rules, in_specs=(specs, P("act_batch", None)),
+  step = make_train_step(functools.partial(family.loss, model))
+  ours = spmd.partition(step, mesh=mesh, rules=rules, in_specs=(specs, P(family.batch_axis, None)),
                         out_specs=(specs, P()))
   plan = ours.plan(state, tokens)
   resolved = plan.in_specs[0]
@@ -106,17 +129,18 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="smaller model, fewer timed runs")
   args = parser.parse_args(argv)
-  config, batch, seq = SIZES["quick" if args.quick else "full"]
   runs = 5 if args.quick else 20
-  rows = [measure(name, config, batch, seq, runs) for name in transformer.RULES]
-  print(f"\n## Transformer training step per strategy (mesh {MESH}; {config}, batch {batch}, "
-        f"seq {seq}; step time: median of {runs} interleaved runs)\n")
-  print(run.table(("strategy", "ours B", "XLA B", "bytes ours/XLA", "ours ms", "XLA ms",
-                   "time ours/XLA", "state B/device (analytic)", "ours compiled", "XLA compiled",
-                   "replicated", "why"), rows))
-  ratios = [float(r[3]) for r in rows if r[3] != "-"]
-  print(f"\nsummary: bytes ours/XLA geomean {run.geomean(ratios):.3f} (max {max(ratios):.3f}); "
-        "time ours/XLA " + ", ".join(f"{r[0]} {r[6]}" for r in rows))
+  for family in FAMILIES:
+    config, batch, seq = family.sizes["quick" if args.quick else "full"]
+    rows = [measure(family, name, config, batch, seq, runs) for name in family.rules]
+    print(f"\n## {family.name} training step per strategy (mesh {MESH}; {config}, batch {batch}, "
+          f"seq {seq}; step time: median of {runs} interleaved runs)\n")
+    print(run.table(("strategy", "ours B", "XLA B", "bytes ours/XLA", "ours ms", "XLA ms",
+                     "time ours/XLA", "state B/device (analytic)", "ours compiled",
+                     "XLA compiled", "replicated", "why"), rows))
+    ratios = [float(r[3]) for r in rows if r[3] != "-"]
+    print(f"\nsummary: bytes ours/XLA geomean {run.geomean(ratios):.3f} (max "
+          f"{max(ratios):.3f}); time ours/XLA " + ", ".join(f"{r[0]} {r[6]}" for r in rows))
 
 
 if __name__ == "__main__":
