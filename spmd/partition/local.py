@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from jax.extend.random import threefry2x32_p
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Rotation, geometry
-from spmd.partition.ir import Op
+from spmd.partition.ir import Op, Value
 from spmd.partition.primitives import describe
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -37,6 +37,7 @@ class Local:
   mesh: MeshShape
   halos: tuple[Exchange, ...] = ()
   received: dict = field(default_factory=dict)  # halo pieces already exchanged (schedule.py)
+  buffers: Mapping[Value, Value] = field(default_factory=dict)  # a name -> its buffer (aliases)
 
   def with_halos(self, args: list, *pad_values: Any) -> tuple[list, set[int]]:
     """Operands widened by their halos and cut to this shard's span along each halo dim
@@ -52,7 +53,8 @@ class Local:
 
   def prefix(self, operand: int, chain: tuple) -> tuple:
     """What identifies the pieces received for ``operand`` widened by ``chain`` (halo.py)."""
-    return (self.op.inputs[operand], self.reads[operand], chain)
+    x = self.op.inputs[operand]
+    return (self.buffers.get(x, x), self.reads[operand], chain)
 
   def shape(self, x: Any, s: TensorSharding) -> tuple[int, ...]:
     return s.local_shape(x.aval.shape, self.mesh)

@@ -109,7 +109,7 @@ class _Interpreter:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
         outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh, ex.halos,
-                               env), args)
+                               env, self.aliases), args)
       for v, w, out in zip(s.op.outputs, s.writes, outs):
         env[(v, w)] = out
 

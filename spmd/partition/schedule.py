@@ -159,7 +159,8 @@ class _Scheduler:
       self.forms[v] = [w]
     new_hops = []
     for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh, self.wire):
-      key = halo_piece(op.inputs[halo.operand], reads[halo.operand], chain, hop)
+      x = op.inputs[halo.operand]  # pieces are of the buffer, whichever name reads it
+      key = halo_piece(self.aliases.get(x, x), reads[halo.operand], chain, hop)
       if key not in self.halo_pieces:
         self.halo_pieces.add(key)
         new_hops.append((halo, hop, nbytes))
