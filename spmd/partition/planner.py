@@ -1,27 +1,22 @@
-"""From a program and its boundary specs to shardings, executions and the public Plan."""
+"""The pipeline driver: from a program and its boundary specs to shardings (propagate.py), the
+schedule (schedule.py) and the public Plan (rendering.py)."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.cse import duplicates
-from spmd.partition.halo_geometry import Exchange, Hop
-from spmd.partition.ir import Op, Program, Value, depth_first, layer
-from spmd.partition.primitives import describe
+from spmd.partition.ir import Program, Value
 from spmd.partition.propagate import Origin, Propagation, Seed, propagate
-from spmd.partition.reshard import ReshardStep
-from spmd.partition.schedule import Schedule, ScheduledOp, Transfer, schedule
-from spmd.partition.rules.factors import FactorKind
+from spmd.partition.rendering import render_plan
+from spmd.partition.schedule import Schedule, schedule
 from spmd.partition.sharding import MeshShape, TensorSharding
 from spmd.partition.wire import wire_for
-from jax.tree_util import tree_unflatten
-
-from spmd.plan import Collective, HaloExchange, Plan, PlanRow
+from spmd.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -34,6 +29,9 @@ class Boundary:
   input_names: tuple[str, ...]
   outputs: tuple[TensorSharding | None, ...]
   arrivals: tuple[TensorSharding | None, ...]
+
+  def input_text(self, k: int) -> str:
+    return f"input {k} ({self.input_names[k]})"
 
 
 @dataclass
@@ -61,35 +59,9 @@ def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, platform: 
   outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
   sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh,
                    wire_for(platform), duplicates(program, prop.shardings))
-  exits = {t.slot.index: t for t in sched.exit}
-  warnings = [_uneven_output_warning(k, atom, wanted[k], outputs[k], exits.get(k), boundary, mesh)
-              for k, atom in enumerate(program.outputs) if outputs[k] != wanted[k]]
-  plan = _plan(program, prop, sched, boundary, mesh, backend, name, in_tree, out_tree, warnings)
+  plan = render_plan(program, prop, sched, boundary, tuple(wanted), mesh, backend, name, in_tree,
+                     out_tree)
   return Analysis(program, prop, sched, plan)
-
-
-def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: TensorSharding,
-                           t: Transfer | None, boundary: Boundary, mesh: MeshShape) -> str:
-  """An output sharded unevenly (by out_specs, or by propagation where out_specs leave it open)
-  comes back gathered along that dim; says what it costs and what the user could do instead."""
-  shape = atom.aval.shape
-  given = boundary.outputs[k] is not None
-  what = f"out_specs[{k}] {wanted}" if given else f"output {k}, sharded {wanted} inside the program,"
-  cost = 0 if t is None else sum(step.bytes for step in t.steps if step.communicates)
-  hints = []
-  for d, axes in enumerate(wanted.dims):
-    if not axes or shape[d] % wanted.shards(d, mesh) == 0:
-      continue
-    count = wanted.shards(d, mesh)
-    moved = [e for e, n in enumerate(shape) if e != d and not returned.dims[e] and n % count == 0]
-    if moved:
-      spec = list(returned.dims)
-      spec[moved[0]] = axes
-      hints.append(f"out_specs {returned.with_dims(spec)} (dim {moved[0]} splits evenly)")
-    hints.append(f"padding dim {d} from {shape[d]} to {-(-shape[d] // count) * count}")
-  return (f"{what} does not split {atom.aval.str_short()} evenly: JAX arrays cannot hold "
-          f"uneven shards, so it is returned as {returned} ({cost} bytes per device gathered); "
-          f"cheaper: {' or '.join(hints)}")
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
@@ -107,10 +79,10 @@ def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
   seeds: dict[Value, Seed] = {}
   for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
-      seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", _input_text(k, boundary)))
+      seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", boundary.input_text(k)))
     elif arrival is not None:  # an open leaf of a committed argument: its sharding, as jax.jit
       seeds[v] = Seed(arrival, frozenset(range(arrival.rank)),
-                      Origin("input", f"{_input_text(k, boundary)}, as committed"))
+                      Origin("input", f"{boundary.input_text(k)}, as committed"))
   for op in program.all_ops():
     spec = annotation_spec(op)
     if spec is None:
@@ -127,199 +99,3 @@ def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
     if s is not None and isinstance(atom, Value) and atom not in seeds:
       seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"))
   return seeds
-
-
-def _input_text(k: int, boundary: Boundary) -> str:
-  return f"input {k} ({boundary.input_names[k]})"
-
-
-def _plan(program: Program, prop: Propagation, sched: Schedule, boundary: Boundary,
-          mesh: MeshShape, backend: str, name: str, in_tree: Any, out_tree: Any,
-          warnings: list[str]) -> Plan:
-  producers = _producers(program, boundary)
-  trips = _trips(program)
-  annotations = {op.outputs[0]: op for op in program.all_ops()
-                 if op.outputs and op.outputs[0] in sched.aliases and op not in sched.duplicates}
-  by_op: dict[int, list[Collective]] = {}
-  for s in sched.walk():
-    outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
-    by_op.setdefault(s.op.index, [])
-    for t in s.transfers:
-      owner = _caused_by(s.op.inputs[t.slot.index], t, annotations, prop) or s.op
-      by_op.setdefault(owner.index, []).extend(
-          _collective(step, owner, t, outer) for step in t.steps if step.communicates)
-    by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
-                          for step in t.steps if step.communicates]
-    by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
-    if s.execution is not None and s.op not in prop.unsupported:
-      warnings.extend(_whole_dim_warnings(s, prop.shardings))
-  for op in program.all_ops():
-    if op.index in by_op and any(c.trips is None for c in by_op[op.index]):
-      warnings.append(f"op {op.index} ({op.primitive} at {op.source}) communicates inside a while "
-                      "loop whose trip count is unknown: per-step bytes count one iteration")
-  rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
-          for op, depth in depth_first(program.ops)]
-  for t in sched.entry:
-    k = t.slot.index
-    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
-    rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
-                        (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
-    warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
-                    f"in_specs asks for {t.dst}: resharded inside the program "
-                    f"({sum(c.bytes for c in cols)} bytes per device)")
-  for t in sched.exit:
-    owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
-    if owner is not None:  # the output is an annotation's result, gathered as it asks
-      cols = tuple(_collective(step, owner, t, 1) for step in t.steps if step.communicates)
-      by_op.setdefault(owner.index, []).extend(cols)
-      _attach(rows, owner, cols)
-      continue
-    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
-    if cols:
-      k = t.slot.index
-      rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
-                          (str(sched.outputs[k]),), (f"out_specs[{k}]",), cols))
-  collectives = [c for r in rows for c in r.collectives]
-  for op in prop.unsupported:
-    info = describe(op.eqn.primitive)
-    why = f" ({info.reason})" if info is not None and info.reason else ""
-    warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule{why}: "
-                    "it runs replicated, its operands gathered whole")
-  for conflict in prop.conflicts:
-    cost = sum(c.bytes for c in by_op.get(conflict.op.index, []))
-    warnings.append(
-        f"conflicting shardings at op {conflict.op.index} ({conflict.op.primitive}, "
-        f"{conflict.op.source}): kept {conflict.kept} from "
-        f"{_origin_text(conflict.kept_from, producers)}, dropped {conflict.dropped} from "
-        f"{_origin_text(conflict.dropped_from, producers)}; the reshard costs {cost} bytes per "
-        "device")
-  in_specs = tree_unflatten(in_tree, [s.to_spec() for s in sched.inputs])
-  out_specs = tree_unflatten(out_tree, [s.to_spec() for s in sched.outputs])
-  return Plan(dict(mesh), backend, tuple(rows), tuple(collectives),
-              tuple(dict.fromkeys(warnings)), in_specs, out_specs, name)
-
-
-def _caused_by(atom: Any, t: Transfer, annotations: dict[Value, Op],
-               prop: Propagation) -> Op | None:
-  """The annotation whose request a transfer carries out: it reads the annotation's result in
-  the sharding the annotation asks for (annotations move nothing themselves; their readers do)."""
-  op = annotations.get(atom) if isinstance(atom, Value) else None
-  if op is None or t.dst.partial or t.dst.dims != prop.shardings[atom].dims:
-    return None
-  return op
-
-
-def _attach(rows: list[PlanRow], op: Op, collectives: tuple[Collective, ...]) -> None:
-  """Adds ``collectives`` to the row of ``op``."""
-  for k, row in enumerate(rows):
-    if row.index == op.index:
-      rows[k] = dataclasses.replace(row, collectives=row.collectives + collectives)
-      return
-
-
-def _trips(program: Program) -> dict[int, int | None]:
-  """How often each op runs per call: the product of the lengths of the scans around it; None
-  inside a while loop (its trip count is a runtime value)."""
-  out: dict[int, int | None] = {}
-
-  def visit(ops: list[Op], trips: int | None) -> None:
-    for op in ops:
-      out[op.index] = trips
-      for region in op.regions:
-        visit(region.ops, _inner_trips(op, trips))
-
-  visit(program.ops, 1)
-  return out
-
-
-def _inner_trips(op: Op, trips: int | None) -> int | None:
-  """How often the regions of ``op`` run per call (its record says how often per op)."""
-  if not op.regions or trips is None:
-    return trips
-  per_op = describe(op.eqn.primitive).control.trips(op.params)
-  return None if per_op is None else trips * per_op
-
-
-def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:
-  """``op`` None: a transfer at the program's entry (an input) or exit (an output)."""
-  boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
-  return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
-                    t.slot.kind if op is None else op.primitive,
-                    boundary if op is None else op.source, str(t.slot), _shape(t.value),
-                    str(step.before), str(step.after), trips)
-
-
-def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
-                     trips: int | None) -> Collective:
-  x = s.op.inputs[h.operand]
-  read = str(s.reads[h.operand])
-  return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
-                    HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
-                                 tuple(hop.pairs)))
-
-
-def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
-  """An op that needs a sharded dim whole (sort axis, windowed dim without halo)."""
-  rule, op = s.execution.constraint.rule, s.op
-  out = []
-  for t in s.transfers:
-    k = t.slot.index
-    tf = rule.operands[k]
-    for step in t.steps:
-      if step.kind != "all-gather" or tf is None or step.dim is None:
-        continue
-      factors = tf[step.dim]
-      if not factors or {rule.kinds[f] for f in factors} & {FactorKind.NEED_REPLICATION,
-                                                           FactorKind.PERMUTATION}:
-        out.append(f"op {op.index} ({op.primitive} at {op.source}) needs dim {step.dim} of "
-                   f"operand {k} whole: all-gather over {','.join(step.axes)} moves "
-                   f"{step.bytes} bytes per device")
-  result, factors = s.op.outputs[0], rule.results[0] or ()
-  for w in rule.windows:
-    read = s.reads[w.operand]
-    wanted = any(w.factor in fs and shardings[result].dims[d] for d, fs in enumerate(factors))
-    if wanted and not s.execution.factor_axes[w.factor]:
-      out.append(f"op {op.index} ({op.primitive} at {op.source}): dim {w.dim} cannot be exchanged "
-                 "with neighbours (the halo would be as wide as the rest of the array), so it is "
-                 f"gathered whole ({read})")
-  return out
-
-
-def _producers(program: Program, boundary: Boundary) -> dict[Value, str]:
-  names: dict[Value, str] = {}
-  for k, v in enumerate(program.inputs):
-    names[v] = _input_text(k, boundary)
-  for v in program.consts:
-    names[v] = "a constant"
-  for op in program.all_ops():
-    for v in op.outputs:
-      names[v] = f"op {op.index}"
-    for region in op.regions:
-      for v in region.inputs:
-        names.setdefault(v, f"op {op.index} (body input)")
-  return names
-
-
-def _origin_text(origin: Origin, producers: dict[Value, str], owner: Op | None = None) -> str:
-  """``owner`` is the op that produces the value: a rule of another op means backward."""
-  if origin.kind != "propagated":
-    return origin.text
-  src = producers.get(origin.source, "?")
-  if owner is None or origin.via is owner:
-    return f"<- {src}"
-  return f"<- {src} (backward via op {origin.via.index})"
-
-
-def _row(op: Op, depth: int, prop: Propagation, producers: dict[Value, str],
-         collectives: Sequence[Collective]) -> PlanRow:
-  scope, backward = layer(op)
-  return PlanRow(op.index, op.primitive, op.source, depth, tuple(_shape(v) for v in op.outputs),
-                 tuple(str(prop.shardings[v]) for v in op.outputs),
-                 tuple(_origin_text(prop.origins[v], producers, op) for v in op.outputs),
-                 tuple(collectives), scope, backward,
-                 any(prop.origins[v].kind == "annotation" for v in op.outputs))
-
-
-def _shape(atom: Any) -> str:
-  return atom.aval.str_short()
