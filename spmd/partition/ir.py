@@ -5,7 +5,9 @@ whole nested program as one graph. Each ``Op`` keeps its jaxpr equation, so it c
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
@@ -31,9 +33,14 @@ class Value:
   const: Any = None  # the array, for closed-over constants
   id: int = field(default_factory=lambda: next(_ids))
 
-  @property
+  @functools.cached_property
   def shape(self) -> tuple[int, ...]:
     return tuple(self.aval.shape)
+
+  @functools.cached_property
+  def size(self) -> int:
+    """The number of elements."""
+    return math.prod(self.shape)
 
   @property
   def dtype(self) -> np.dtype:
@@ -117,9 +124,9 @@ def layer(op: Op) -> tuple[tuple[str, ...], bool]:
                      for e in stack)
 
 
-def source_line(eqn: Any) -> str:
+def source_line(source_info: source_info_util.SourceInfo) -> str:
   """``file:line:col (function)`` of the user's code, the file relative to the working dir."""
-  text = source_info_util.summarize(eqn.source_info)
+  text = source_info_util.summarize(source_info)
   if text.startswith("unknown"):
     return ""
   path, sep, rest = text.partition(":")
@@ -133,6 +140,15 @@ class _Builder:
   def __init__(self) -> None:
     self.counter = itertools.count()
     self.consts: list[Value] = []
+    # A program's equations come from a few hundred distinct tracebacks (equal tracebacks hash
+    # alike): each is summarized once, not once per equation.
+    self.sources: dict[Any, str] = {}
+
+  def source(self, eqn: Any) -> str:
+    traceback = eqn.source_info.traceback
+    if traceback not in self.sources:
+      self.sources[traceback] = source_line(eqn.source_info)
+    return self.sources[traceback]
 
   def region(self, closed: Any, inputs: tuple[Atom, ...] | None = None, call_site: str = "",
              outer: Any = source_info_util.NameStack()) -> Region:
@@ -159,7 +175,7 @@ class _Builder:
     for eqn in eqns:
       inputs = tuple(_read(env, v) for v in eqn.invars)
       info = describe(eqn.primitive)
-      source = source_line(eqn) or call_site
+      source = self.source(eqn) or call_site
       stack = outer + eqn.source_info.name_stack
       if info is not None and info.inline in eqn.params:
         body = eqn.params[info.inline]

@@ -114,7 +114,8 @@ class _Candidate:
 
 
 class _Engine:
-  def __init__(self, mesh_shape: MeshShape, seeds: Mapping[Value, Seed]):
+  def __init__(self, mesh_shape: MeshShape, seeds: Mapping[Value, Seed],
+               constraints: list[Constraint]):
     self.mesh = mesh_shape
     self.dims: dict[Value, list[Axes]] = {}
     self.closed: dict[Value, frozenset[int]] = {}
@@ -124,11 +125,22 @@ class _Engine:
       self.dims[value] = list(seed.sharding.dims)
       self.closed[value] = seed.closed_dims
       self.origins[value] = seed.origin
+    self.constraints = constraints
+    # Per constraint: (position, value, factors, size) of each tensor taking part, and the size
+    # of its largest tensor.
+    self.parts = [tuple((pos, v, tf, v.size) for pos, (v, tf) in
+                        enumerate(zip(c.tensors(), c.rule.tensors()))
+                        if v is not None and tf is not None) for c in constraints]
+    self.largest = [max((v.size for v in c.tensors() if v is not None), default=0)
+                    for c in constraints]
     # A constraint reads only its tensors' dims: one none of whose tensors changed since its last
     # application would write nothing new, so it is skipped (the same fixed point, sooner).
-    self.clock = 0
-    self.changed_at: dict[Value, int] = {}
-    self.applied_at: dict[int, int] = {}
+    self.dirty = [True] * len(constraints)
+    self.readers: dict[Value, list[int]] = {}
+    for i, c in enumerate(constraints):
+      for v in c.tensors():
+        if v is not None:
+          self.readers.setdefault(v, []).append(i)
     self.broadcasting = False
     self.deferred: set[int] = set()  # constraints that left a broadcast's operand out
 
@@ -137,47 +149,41 @@ class _Engine:
       self.dims[v] = [()] * len(v.shape)
     return self.dims[v]
 
-  def run(self, constraints: list[Constraint]) -> None:
+  def run(self) -> None:
     for level in (0, 1, 2):
-      active = [c for c in constraints if level or c.rule.pass_through]
+      active = [i for i, c in enumerate(self.constraints) if level or c.rule.pass_through]
       self.broadcasting = level == 2
-      for key in self.deferred if self.broadcasting else ():
-        self.applied_at.pop(key, None)  # now they may write what they could not before
+      for i in self.deferred if self.broadcasting else ():
+        self.dirty[i] = True  # now they may write what they could not before
       changed = True
       while changed:
         changed = False
-        for c in active + active[::-1]:
-          changed |= self.apply(c)
+        for i in active + active[::-1]:
+          if self.dirty[i]:
+            changed |= self.apply(i)
 
-  def apply(self, c: Constraint) -> bool:
-    last = self.applied_at.get(id(c))
-    if last is not None and all(self.changed_at.get(v, -1) < last
-                                for v in c.tensors() if v is not None):
-      return False
-    self.clock += 1
-    self.applied_at[id(c)] = self.clock
+  def apply(self, i: int) -> bool:
+    self.dirty[i] = False
+    c, parts = self.constraints[i], self.parts[i]
     rule = c.rule
     candidates: dict[int, list[_Candidate]] = {}
-    sizes = [math.prod(v.shape) if v is not None else 0 for v in c.tensors()]
     defer = rule.pass_through and not self.broadcasting
-    for pos, (v, tf) in enumerate(zip(c.tensors(), rule.tensors())):
-      if v is None or tf is None:
-        continue
-      size = sizes[pos]
-      if defer and size < max(sizes):
-        self.deferred.add(id(c))
+    for pos, v, tf, size in parts:
+      if defer and size < self.largest[i]:
+        self.deferred.add(i)
         continue  # a broadcast's small operand donates last (as XLA's propagation does)
       dims, closed = self.dims_of(v), self.closed.get(v, frozenset())
       for d, factors in enumerate(tf):
+        if not dims[d]:
+          continue  # no axes: no candidate for any of its factors
         for f, axes in project(factors, dims[d], rule.sizes, self.mesh):
           candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, v))
     merged = self._merge(c, rule, candidates)
     if not any(axes for axes, _ in merged.values()):
       return False
     changed = False
-    for v, tf in zip(c.tensors(), rule.tensors()):
-      if v is not None and tf is not None:
-        changed |= self._write(c, v, tf, rule, merged)
+    for _, v, tf, _ in parts:
+      changed |= self._write(c, v, tf, rule, merged)
     return changed
 
   def _merge(self, c: Constraint, rule: OpShardingRule,
@@ -237,8 +243,8 @@ class _Engine:
       if not added:
         continue
       dims[d] = old + added
-      self.clock += 1
-      self.changed_at[v] = self.clock
+      for i in self.readers[v]:
+        self.dirty[i] = True
       if source is not None and source.value is not v:
         self.origins[v] = Origin("propagated", via=c.op, source=source.value)
       changed = True
@@ -275,8 +281,8 @@ def prefix_without(axes: Axes, used: set[str]) -> Axes:
 
 def propagate(program: Program, seeds: Mapping[Value, Seed], mesh_shape: MeshShape) -> Propagation:
   constraints, unsupported = constraints_for(program)
-  engine = _Engine(mesh_shape, seeds)
-  engine.run(constraints)
+  engine = _Engine(mesh_shape, seeds, constraints)
+  engine.run()
   values = _all_values(program)
   shardings = {v: TensorSharding(tuple(engine.dims_of(v))) for v in values}
   origins = {v: engine.origins.get(v, DEFAULT) for v in values}

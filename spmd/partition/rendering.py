@@ -3,6 +3,7 @@ collectives it causes, with bytes and trip counts), the boundary's rows, and the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from jax.tree_util import tree_unflatten
@@ -215,7 +216,13 @@ def _row(op: Op, depth: int, prop: Propagation, producers: dict[Value, str],
 
 
 def _shape(atom: Any) -> str:
-  return atom.aval.str_short()
+  return _aval_text(atom.aval)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aval_text(aval: Any) -> str:
+  """``aval.str_short()``, which JAX formats slowly, once per distinct aval (a program has few)."""
+  return aval.str_short()
 
 
 def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: TensorSharding,

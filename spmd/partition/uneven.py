@@ -33,10 +33,10 @@ def mask_padding(ex: Execution, op: Op, reads: tuple, args: list, mesh: MeshShap
     if not isinstance(x, Value) or tf is None or read is None:
       continue
     for d, factors in enumerate(tf):
-      n = x.shape[d]
-      count = read.shards(d, mesh)
-      reduced = any(rule.kinds[f] is FactorKind.REDUCTION and ex.factor_axes[f] for f in factors)
-      if reduced and n % count:
+      if not any(rule.kinds[f] is FactorKind.REDUCTION and ex.factor_axes[f] for f in factors):
+        continue
+      n, count = x.shape[d], read.shards(d, mesh)
+      if n % count:
         local = -(-n // count)
         keep = valid_rows(out[k].shape, d, n, read, local)
         out[k] = jnp.where(keep, out[k], identity(rule.combiner, out[k].dtype))
