@@ -8,13 +8,23 @@ Megatron over "model", on 8 simulated CPU devices) is timed in phases, side by s
   XLA    compiling that lowered program;
   jit    ``jax.jit`` of the same step with the same in_shardings: lower + compile.
 Reported: equations in the program, spmd's time per equation, spmd / XLA compile, and spmd's
-total (spmd + its XLA compile) / jax.jit's total.
+total (spmd + its XLA compile) / jax.jit's total; then spmd's phases per equation:
+  trace      jax.make_jaxpr of the step (as jax.jit also does);
+  program    building the program (inlining, CSE, dead ops; ir.py);
+  propagate  shardings for every value (propagate.py);
+  schedule   executions and reshards of every op (schedule.py);
+  render     the Plan's rows, collectives and warnings (rendering.py);
+  lower      replaying the schedule in shard_map and lowering it to StableHLO (lower.py, JAX).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import importlib
 import os
 import time
+from typing import Iterator
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
@@ -29,6 +39,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import spmd  # noqa: E402
 from spmd.train import optimizer_specs  # noqa: E402
 
+# The pipeline's steps, each timed where the driver calls it: (phase, module, function).
+PHASES = (("program", "spmd.api", "build_program"),
+          ("propagate", "spmd.partition.planner", "propagate"),
+          ("schedule", "spmd.partition.planner", "schedule"),
+          ("render", "spmd.partition.planner", "render_plan"))
 D, HEADS, SEQ, BATCH, VOCAB = 64, 4, 16, 8, 128
 LAYER_SPECS = {"ln": P(), "wq": P(None, "model"), "wk": P(None, "model"),
                "wv": P(None, "model"), "wo": P("model", None), "w1": P(None, "model"),
@@ -58,6 +73,30 @@ def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
 
 
+@contextlib.contextmanager
+def timed_phases(times: dict[str, float]) -> Iterator[None]:
+  """While open, each step in PHASES adds its wall time to ``times[phase]``."""
+  replaced = []
+  for phase, module_name, name in PHASES:
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+
+    def timed(*args, _phase=phase, _original=original, **kwargs):
+      start = time.perf_counter()
+      try:
+        return _original(*args, **kwargs)
+      finally:
+        times[_phase] = times.get(_phase, 0.0) + time.perf_counter() - start
+
+    setattr(module, name, timed)
+    replaced.append((module, name, original))
+  try:
+    yield
+  finally:
+    for module, name, original in replaced:
+      setattr(module, name, original)
+
+
 def measure(layers: int, mesh) -> dict:
   opt = optax.adamw(1e-3)
   params = init(layers)
@@ -73,20 +112,28 @@ def measure(layers: int, mesh) -> dict:
   specs = (param_specs, optimizer_specs(opt, opt_state, param_specs), P("data", None))
   args = (params, opt_state, tokens)
   ours = spmd.partition(step, mesh=mesh, in_specs=specs)
-  start = time.perf_counter()
-  plan = ours.plan(*args)
-  lowered = ours.lower(*args)
-  spmd_time = time.perf_counter() - start
+  phases: dict[str, float] = {}
+  gc.collect()
+  with timed_phases(phases):
+    start = time.perf_counter()
+    plan = ours.plan(*args)
+    planned = time.perf_counter()
+    lowered = ours.lower(*args)
+    done = time.perf_counter()
+  spmd_time = done - start
+  phases = {"trace": planned - start - sum(phases.values()), **phases, "lower": done - planned}
+  gc.collect()
   start = time.perf_counter()
   lowered.compile()
   xla_time = time.perf_counter() - start
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                            is_leaf=lambda x: isinstance(x, P))
+  gc.collect()
   start = time.perf_counter()
   jax.jit(step, in_shardings=shardings).lower(*args).compile()
   jit_time = time.perf_counter() - start
   return {"layers": layers, "ops": len(plan.rows), "spmd": spmd_time, "xla": xla_time,
-          "jit": jit_time}
+          "jit": jit_time, "phases": phases}
 
 
 def main() -> None:
@@ -99,11 +146,20 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}")
   print("| layers | ops | spmd (s) | ms/op | XLA compile (s) | spmd/XLA | jit (s) | total/jit |")
   print("|---|---|---|---|---|---|---|---|")
+  results = []
   for layers in args.layers:
     r = measure(layers, mesh)
+    results.append(r)
     print(f"| {layers} | {r['ops']} | {r['spmd']:.2f} | {1e3 * r['spmd'] / r['ops']:.2f} | "
           f"{r['xla']:.2f} | {r['spmd'] / r['xla']:.2f} | {r['jit']:.2f} | "
           f"{(r['spmd'] + r['xla']) / r['jit']:.2f} |", flush=True)
+  names = list(results[0]["phases"])
+  print("\nspmd's phases, ms per op (seconds in parentheses)\n")
+  print("| layers | " + " | ".join(names) + " |")
+  print("|---|" + "---|" * len(names))
+  for r in results:
+    print(f"| {r['layers']} | " + " | ".join(
+        f"{1e3 * r['phases'][n] / r['ops']:.3f} ({r['phases'][n]:.2f})" for n in names) + " |")
 
 
 if __name__ == "__main__":
