@@ -27,6 +27,8 @@ def valid_rows(shape: tuple[int, ...], dim: int, size: int, s: TensorSharding,
 
 def mask_padding(ex: Execution, op: Op, reads: tuple, args: list, mesh: MeshShape) -> list:
   """Replaces padding with the op's identity along every uneven dim it reduces over."""
+  if not ex.partial_axes:
+    return args  # no reduction factor is sharded: the op mixes no padding into a result
   rule = ex.constraint.rule
   out = list(args)
   for k, (x, tf, read) in enumerate(zip(op.inputs, rule.operands, reads)):

@@ -2,15 +2,27 @@
 identities (annotations, checkpoint names) and bitcasts are elementwise too."""
 from __future__ import annotations
 
+import functools
+
 from spmd.partition.ir import Op, Value
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 def elementwise(op: Op) -> OpShardingRule:
-  out_shape = op.outputs[0].shape
+  return _elementwise(op.outputs[0].shape,
+                      tuple(x.shape if isinstance(x, Value) else None for x in op.inputs),
+                      len(op.outputs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _elementwise(out_shape: tuple[int, ...], operand_shapes: tuple[tuple[int, ...] | None, ...],
+                 results: int) -> OpShardingRule:
+  """The rule depends on shapes only (None: a literal), so a program's thousands of elementwise
+  ops share a few rules."""
   b = RuleBuilder()
   factors = b.factors(out_shape)
-  operands = [_broadcast_dims(x, out_shape, factors) for x in op.inputs]
-  return b.build(operands, [factors] * len(op.outputs), pass_through=True)
+  operands = [None if shape is None else _broadcast_dims(shape, out_shape, factors)
+              for shape in operand_shapes]
+  return b.build(operands, [factors] * results, pass_through=True)
 
 
 def bitcast_convert_type(op: Op) -> OpShardingRule:
@@ -32,10 +44,7 @@ def per_tensor_identity(op: Op) -> OpShardingRule:
                  per_tensor, pass_through=True)
 
 
-def _broadcast_dims(x: object, out_shape: tuple[int, ...], factors: list) -> list | None:
-  if not isinstance(x, Value):
-    return None
-  shape = x.shape
+def _broadcast_dims(shape: tuple[int, ...], out_shape: tuple[int, ...], factors: list) -> list:
   if len(shape) != len(out_shape):
     return [None] * len(shape)  # rank-0 operands broadcast implicitly
   return [f if n == m else None for f, n, m in zip(factors, shape, out_shape)]
