@@ -1,4 +1,5 @@
-"""Shared test helpers: the test meshes and a check that a partitioned function matches ``fn``.
+"""Shared test helpers: the test meshes, and the one check of a partitioned function: its values,
+its plan against the compiled program, and no op run replicated for want of a rule.
 
 Import after ``conftest.py`` has set up the simulated devices (pytest does this first).
 """
@@ -6,21 +7,33 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping
+from collections import Counter
+from typing import Any, Callable, Collection, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 import spmd
+from spmd.hlo import collectives
 
-# Name -> mesh axes (major to minor); every test mesh uses all 8 simulated devices.
+# Name -> mesh axes (major to minor); x2 and x4 use the first 2 and 4 of the 8 simulated devices.
 MESH_AXES: dict[str, dict[str, int]] = {
+    "x2": {"x": 2},
+    "x4": {"x": 4},
     "x8": {"x": 8},
     "a2b4": {"a": 2, "b": 4},
     "a2b2c2": {"a": 2, "b": 2, "c": 2},
 }
-MESH_NAMES = tuple(MESH_AXES)
+MESH_NAMES = ("x8", "a2b4", "a2b2c2")  # the meshes over all 8 devices
+
+# rtol = atol per floating dtype where a test gives none: a few ulps once sums are reordered
+# (bfloat16: a few bf16 ulps, 2^-8 = 0.4%, on inputs without cancellation, as partial results are
+# rounded to bfloat16 like the output).
+TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 1e-3,
+             jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.complex64): 1e-5,
+             jnp.dtype(jnp.float64): 1e-12, jnp.dtype(jnp.complex128): 1e-12}
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,8 +59,11 @@ def randn(*shape: int, seed: int = 0, dtype: Any = np.float32) -> np.ndarray:
   return rng(seed).standard_normal(shape).astype(dtype)
 
 
-def assert_trees_match(got: Any, want: Any, rtol: float = 1e-5, atol: float = 1e-5) -> None:
-  """Same structure, shapes and dtypes; floats close, ints / bools / keys exactly equal."""
+def assert_trees_match(got: Any, want: Any, rtol: float | None = None, atol: float | None = None,
+                       *, atol_per_magnitude: bool = False) -> None:
+  """Same structure, shapes and dtypes; floats close (``rtol``/``atol``, else ``TOLERANCE`` of
+  the leaf's dtype; ``atol_per_magnitude``: atol times max(1, max |want|) per leaf, for sums
+  whose terms cancel), ints / bools / keys exactly equal."""
   got_leaves, got_tree = jax.tree_util.tree_flatten(got)
   want_leaves, want_tree = jax.tree_util.tree_flatten(want)
   assert got_tree == want_tree, f"output structure {got_tree} != {want_tree}"
@@ -58,40 +74,69 @@ def assert_trees_match(got: Any, want: Any, rtol: float = 1e-5, atol: float = 1e
     g, w = np.asarray(g), np.asarray(w)
     assert g.shape == w.shape, f"leaf {k}: shape {g.shape} != {w.shape}"
     assert g.dtype == w.dtype, f"leaf {k}: dtype {g.dtype} != {w.dtype}"
-    if np.issubdtype(w.dtype, np.inexact):
-      np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"leaf {k}")
+    if jnp.issubdtype(w.dtype, jnp.inexact):
+      tol = TOLERANCE[jnp.dtype(w.dtype)]
+      scale = max(1.0, float(np.max(np.abs(w), initial=0.0))) if atol_per_magnitude else 1.0
+      wide = np.complex128 if jnp.issubdtype(w.dtype, jnp.complexfloating) else np.float64
+      np.testing.assert_allclose(g.astype(wide), w.astype(wide), err_msg=f"leaf {k}",
+                                 rtol=tol if rtol is None else rtol,
+                                 atol=(tol if atol is None else atol) * scale)
     else:
       np.testing.assert_array_equal(g, w, err_msg=f"leaf {k}")
 
 
-def assert_partitioned_matches(fn: Any, args: tuple, in_specs: Any, mesh: Mesh | str,
-                               out_specs: Any = None, rtol: float = 1e-5, atol: float = 1e-5,
-                               *, backend: str | None = None) -> spmd.Plan:
-  """Partitions ``fn`` over ``mesh``, runs it on ``args`` and compares with ``fn(*args)``.
+def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
+                               out_specs: Any = None, rtol: float | None = None,
+                               atol: float | None = None, *, atol_per_magnitude: bool = False,
+                               reference: Callable | None = None, backend: str | None = None,
+                               replicated: Collection[str] = (), **options: Any) -> spmd.Plan:
+  """Partitions ``fn`` over ``mesh`` (a Mesh or a ``MESH_AXES`` name) and checks the three
+  things every partitioned program must satisfy:
 
-  ``mesh`` is a Mesh or a ``MESH_AXES`` name. ``backend`` defaults to ``$SPMD_TEST_BACKEND`` or
-  else the library's default. Returns the plan so callers can inspect it.
+  - its values equal ``reference(*args)`` (default ``fn``), by ``assert_trees_match``;
+  - with backend "spmd", its plan moves what the compiled program does: the same bytes per kind
+    of collective (``assert_plan_is_hlo``);
+  - no op ran replicated for want of a sharding rule, except the primitives ``replicated``
+    names, which must (a test that expects the fallback says so).
+
+  ``backend`` defaults to ``$SPMD_TEST_BACKEND``, else the library's default; ``options`` go to
+  ``spmd.partition``. Returns the plan for further asserts.
   """
   mesh = as_mesh(mesh)
   backend = backend or os.environ.get("SPMD_TEST_BACKEND")
-  options = {"backend": backend} if backend else {}
+  if backend:
+    options["backend"] = backend
   # numpy leaves as jax arrays, so that ``fn`` may use jax-only methods (x.at[...]) on them
   args = jax.tree_util.tree_map(
-      lambda a: jax.numpy.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a,
-      tuple(args))
+      lambda a: jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a, tuple(args))
   f = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **options)
   plan = f.plan(*args)
-  got = f(*args)
-  want = fn(*args)
-  assert_trees_match(got, want, rtol=rtol, atol=atol)
+  assert_trees_match(f(*args), (reference or fn)(*args), rtol, atol,
+                     atol_per_magnitude=atol_per_magnitude)
+  if plan.backend == "spmd":
+    assert_plan_is_hlo(plan, f.lower(*args).compile().as_text())
+  fallbacks = missing_rules(plan)
+  expected = tuple(f"{p} at " for p in replicated)
+  unexpected = [w for w in fallbacks if not w.startswith(expected)]
+  assert not unexpected, "\n".join(unexpected) + "\n" + plan.explain()
+  absent = [p for p in expected if not any(w.startswith(p) for w in fallbacks)]
+  assert not absent, f"expected to run replicated: {absent}\n{plan.explain()}"
   return plan
+
+
+def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
+  """The plan's collectives move what the compiled program's do: the same bytes per device for
+  every kind of collective (XLA may combine collectives of one kind into one instruction, as it
+  does a gradient's all-reduces, or split a halo's collective-permute by the devices it pairs)."""
+  planned: Counter = Counter()
+  for c in plan.collectives:
+    planned[c.kind] += c.bytes
+  compiled: Counter = Counter()
+  for c in collectives(hlo_text):
+    compiled[c.kind] += c.bytes
+  assert planned == compiled, f"plan {dict(planned)} != compiled {dict(compiled)}\n{plan.explain()}"
 
 
 def missing_rules(plan: spmd.Plan) -> list[str]:
   """The plan's warnings about primitives without a sharding rule."""
   return [w for w in plan.warnings if "has no sharding rule" in w]
-
-
-def assert_all_rules(plan: spmd.Plan) -> None:
-  missing = missing_rules(plan)
-  assert not missing, "\n".join(missing) + "\n" + plan.explain()

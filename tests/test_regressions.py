@@ -5,15 +5,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.hlo import collective_bytes
-
-
-def _check(f, *args):
-  """Partitioned == unpartitioned, and plan bytes == compiled HLO collective bytes."""
-  for g, w in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(f.__wrapped__(*args))):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-  plan = f.plan(*args)
-  assert plan.total_bytes == collective_bytes(f.lower(*args).compile().as_text()), plan.explain()
+from helpers import assert_partitioned_matches
 
 
 def test_reshape_merged_dim_with_a_dropped_major_factor():
@@ -22,13 +14,11 @@ def test_reshape_merged_dim_with_a_dropped_major_factor():
   minor factor (also the major factor of the input's last dim) is dropped; the input's last dim
   then kept 'c' on its now-unsharded minor factor and the reshape read a block of columns where
   it needed a stride: wrong values. execution._drop_inexpressible now runs to a fixed point."""
-  mesh = spmd.make_mesh({"a": 2, "b": 2, "c": 2})
-
-  @spmd.partition(mesh=mesh, in_specs=P(None, "a", ("b", "c")))
   def f(x):
     return x.reshape(8, 2) + 2
 
-  _check(f, jnp.arange(16, dtype=jnp.int32).reshape(1, 4, 4))
+  assert_partitioned_matches(f, (jnp.arange(16, dtype=jnp.int32).reshape(1, 4, 4),),
+                             P(None, "a", ("b", "c")), "a2b2c2")
 
 
 def test_form_passed_through_by_a_reshard_is_reused():
@@ -36,15 +26,12 @@ def test_form_passed_through_by_a_reshard_is_reused():
   whole array and gathered it again: XLA merged the two identical all-gathers, so the HLO moved
   64 B where the plan said 128 B. schedule.acquire now records every form a transfer passes
   through (and lower keeps them), so later consumers start from them."""
-  mesh = spmd.make_mesh({"a": 2, "b": 4})
-
-  @spmd.partition(mesh=mesh, in_specs=P("a"), out_specs=(P("b"), P(None)))
   def f(x):
     return spmd.annotate(x, P("b")) * 2, x
 
-  x = jnp.arange(16, dtype=jnp.float32)
-  _check(f, x)
-  assert [c.kind for c in f.plan(x).collectives] == ["all-gather"]
+  plan = assert_partitioned_matches(f, (jnp.arange(16, dtype=jnp.float32),), P("a"), "a2b4",
+                                    (P("b"), P(None)))
+  assert [c.kind for c in plan.collectives] == ["all-gather"]
 
 
 def test_annotated_value_and_its_operand_share_reshards():
@@ -52,43 +39,34 @@ def test_annotated_value_and_its_operand_share_reshards():
   and gathering ``y`` were scheduled as two all-gathers (forms were kept per value, and an
   annotation's result was a new value), which XLA CSEd: HLO 128 B, plan 256 B. An annotation's
   result now shares its operand's forms (schedule.annotation)."""
-  mesh = spmd.make_mesh({"x": 8})
-
-  @spmd.partition(mesh=mesh, in_specs=P("x", None))
   def f(x):
     y = x * 2
     a = spmd.annotate(y, P("x", None))
     return spmd.annotate(a, P(None, None)), spmd.annotate(y, P(None, None))
 
-  _check(f, jnp.arange(32, dtype=jnp.float32).reshape(8, 4))
+  assert_partitioned_matches(f, (jnp.arange(32, dtype=jnp.float32).reshape(8, 4),),
+                             P("x", None), "x8")
 
 
 def test_two_annotations_of_one_value_share_reshards():
   """``annotate(x, P(None))`` gathers x; the output ``annotate(x, P('x'))`` (x itself) is wanted
   whole too and was gathered a second time, which XLA CSEd: HLO 32 B, plan 64 B. (Shrunk by
   tests/test_property.py from a random program.)"""
-  mesh = spmd.make_mesh({"x": 8})
-
-  @spmd.partition(mesh=mesh, in_specs=None, out_specs=(None, P(None)))
   def f(x):
     return spmd.annotate(x, P(None)), spmd.annotate(x, P("x"))
 
-  _check(f, jnp.arange(8, dtype=jnp.int32))
+  assert_partitioned_matches(f, (jnp.arange(8, dtype=jnp.int32),), None, "x8", (None, P(None)))
 
 
 def test_annotation_rows_show_the_reshards_they_cause():
   """Annotations move nothing themselves (their readers reshard, once for every reader), yet
   explain() shows each reshard on the row of the annotation that asked for it."""
-  mesh = spmd.make_mesh({"x": 8})
-
-  @spmd.partition(mesh=mesh, in_specs=P("x", None))
   def f(x):
     whole = spmd.annotate(x * 2, P(None, None))
     return jnp.tanh(whole) + 1, whole.sum(0), whole
 
-  x = jnp.arange(32, dtype=jnp.float32).reshape(8, 4)
-  _check(f, x)
-  plan = f.plan(x)
+  plan = assert_partitioned_matches(f, (jnp.arange(32, dtype=jnp.float32).reshape(8, 4),),
+                                    P("x", None), "x8")
   (row,) = [r for r in plan.rows if r.primitive == "spmd_annotate"]
   assert [c.kind for c in row.collectives] == ["all-gather"]
   assert [c.kind for c in plan.collectives] == ["all-gather"]  # one gather, three readers
@@ -99,17 +77,14 @@ def test_reduction_repeated_through_an_annotation_is_reduced_once():
   through an annotation that leaves x as it is: two reduce_sums of one value, each psum'd over
   'a'. XLA's CSE merged the two all-reduces: HLO 4 B, plan 8 B. The second reduce_sum now
   repeats the first (cse.py) and neither runs nor communicates."""
-  mesh = spmd.make_mesh({"a": 2, "b": 2, "c": 2})
-
-  @spmd.partition(mesh=mesh, in_specs=(P("a", None),))
   def f(x0):
     v1 = jnp.einsum("ab,cb->c", x0, x0)
     v2 = spmd.annotate(x0, P(P.UNCONSTRAINED, None))
     return jnp.einsum("ab,c->bc", v2, v1)
 
   x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (2, 1), dtype=np.int32))
-  _check(f, x0)
-  assert [c.kind for c in f.plan(x0).collectives] == ["all-reduce"]
+  plan = assert_partitioned_matches(f, (x0,), (P("a", None),), "a2b2c2")
+  assert [c.kind for c in plan.collectives] == ["all-reduce"]
 
 
 def _sum_twice(annotations):
@@ -125,22 +100,20 @@ def _sum_twice(annotations):
 def test_same_reduction_written_twice_is_reduced_once():
   """The same sum on x, read directly, through one and through two annotations that keep x's
   sharding: one all-reduce."""
-  mesh = spmd.make_mesh({"x": 4, "y": 2})
   x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
   for annotations in [(), (P("x", None),), (P("x", None), P(P.UNCONSTRAINED, None))]:
-    f = spmd.partition(_sum_twice(annotations), mesh=mesh, in_specs=P("x", None))
-    _check(f, x)
-    assert [c.kind for c in f.plan(x).collectives] == ["all-reduce"], annotations
+    plan = assert_partitioned_matches(_sum_twice(annotations), (x,), P("x", None),
+                                      {"x": 4, "y": 2})
+    assert [c.kind for c in plan.collectives] == ["all-reduce"], annotations
 
 
 def test_reduction_after_an_annotation_that_moves_data_is_not_merged():
   """When the annotation reshards x (P('x', None) -> P(None, 'x')), the second sum reads another
   layout: the two sums stay two ops and the plan still prices what the program moves."""
-  mesh = spmd.make_mesh({"x": 4, "y": 2})
-  f = spmd.partition(_sum_twice((P(None, "x"),)), mesh=mesh, in_specs=P("x", None))
   x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8) / 64
-  _check(f, x)
-  assert sorted(c.kind for c in f.plan(x).collectives) == ["all-reduce", "all-to-all"]
+  plan = assert_partitioned_matches(_sum_twice((P(None, "x"),)), (x,), P("x", None),
+                                    {"x": 4, "y": 2})
+  assert sorted(c.kind for c in plan.collectives) == ["all-reduce", "all-to-all"]
 
 
 def test_random_draws_are_not_merged():
@@ -148,14 +121,13 @@ def test_random_draws_are_not_merged():
   two different arrays however equal their params: neither pair is merged."""
   mesh = spmd.make_mesh({"x": 8})
 
-  @spmd.partition(mesh=mesh, in_specs=(P("x"), None))
   def keyed(x, key):
     k1, k2 = jax.random.split(key)
     return x + jax.random.uniform(k1, (8,)), x + jax.random.uniform(k2, (8,))
 
-  x = jnp.arange(8, dtype=jnp.float32)
-  _check(keyed, x, jax.random.key_data(jax.random.key(0)))
-  a, b = keyed(x, jax.random.key_data(jax.random.key(0)))
+  x, key = jnp.arange(8, dtype=jnp.float32), jax.random.key_data(jax.random.key(0))
+  assert_partitioned_matches(keyed, (x, key), (P("x"), None), mesh)
+  a, b = spmd.partition(keyed, mesh=mesh, in_specs=(P("x"), None))(x, key)
   assert not np.array_equal(a, b)
 
   @spmd.partition(mesh=mesh, in_specs=P("x"))
@@ -171,14 +143,12 @@ def test_halo_pieces_of_an_annotated_value_are_exchanged_once():
   x0 across shards, and spmd exchanged each piece twice (halo pieces were keyed by the value's
   name), which XLA CSEd: HLO 96 B, plan 112 B. Pieces are now keyed by the buffer. (Found by the
   thorough property profile, --hypothesis-seed=1.)"""
-  mesh = spmd.make_mesh({"x": 8})
-
-  @spmd.partition(mesh=mesh, in_specs=(None, None))
   def f(x0, x1):
     v1 = spmd.annotate(x0, P("x"))
     v3 = jnp.concatenate([v1, x1, x1], axis=0)
     return jnp.concatenate([v3, v1, x0], axis=0), v1
 
   rng = np.random.default_rng(0)
-  _check(f, jnp.asarray(rng.integers(-3, 4, (8,), dtype=np.int32)),
-         jnp.asarray(rng.integers(-3, 4, (4,), dtype=np.int32)))
+  args = (jnp.asarray(rng.integers(-3, 4, (8,), dtype=np.int32)),
+          jnp.asarray(rng.integers(-3, 4, (4,), dtype=np.int32)))
+  assert_partitioned_matches(f, args, (None, None), "x8")
