@@ -3,8 +3,8 @@ slice and the stencils built from them) must match the unpartitioned program, an
 result splits evenly they must communicate with neighbour exchanges (collective-permute) only.
 
 Every case checks: partitioned == unpartitioned, no replicated-rule fallback, and that the plan's
-bytes equal the compiled HLO's, in total and for the collective-permutes (the halos) alone. Cases
-whose sharded output dims divide by their shard count additionally assert that the compiled HLO
+bytes per collective kind are the compiled HLO's (the halos' collective-permutes among them).
+Cases whose sharded output dims divide by their shard count additionally assert that the program
 has no all-gather (and, where a window straddles shards, that it has collective-permutes).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from helpers import assert_partitioned_matches
 from spmd.hlo import collectives
 
 MESHES = {"x2": {"x": 2}, "x4": {"x": 4}, "x8": {"x": 8}, "ab": {"a": 2, "b": 4},
@@ -53,45 +54,27 @@ def _divides(want, spec, mesh: str) -> bool:
   return all(out.shape[d] % _shards(spec, mesh, d) == 0 for d in range(out.ndim))
 
 
-def _by_kind(items) -> dict[str, int]:
-  totals: dict[str, int] = {}
-  for c in items:
-    totals[c.kind] = totals.get(c.kind, 0) + int(c.bytes)
-  return totals
+def check(fn, args, in_specs, mesh, *, halo_only=None, permutes=True, tol=2e-5) -> spmd.Plan:
+  """``assert_partitioned_matches`` (floats to ``tol`` of their magnitude); then the halo checks.
 
-
-def check(fn, args, in_specs, mesh, *, halo_only=None, permutes=True, tol=2e-5):
-  """Runs the partitioned ``fn`` against ``fn``; checks plan bytes against the compiled HLO.
-
-  ``halo_only``: assert the HLO has no all-gather and (if ``permutes``) has collective-permutes;
-  by default it is asserted when the first input's sharded dims divide the output evenly.
-  Returns (plan, the compiled HLO's collectives).
+  ``halo_only``: assert the program has no all-gather and (if ``permutes``) has
+  collective-permutes, all of them halos; by default it is asserted when the first input's
+  sharded dims divide the output evenly. The plan's kinds are the compiled program's. Returns
+  the plan.
   """
-  f = spmd.partition(fn, mesh=_mesh(mesh), in_specs=in_specs)
-  got, want = f(*args), fn(*args)
-  for k, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
-    assert g.shape == w.shape and g.dtype == w.dtype, (k, g.shape, w.shape)
-    scale = max(1.0, float(np.max(np.abs(np.asarray(w)))) if w.size else 1.0)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol * scale,
-                               err_msg=f"output {k}")
-  plan = f.plan(*args)
-  missing = [w for w in plan.warnings if "has no sharding rule" in w]
-  assert not missing, plan.explain()
-  found = collectives(f.lower(*args).compile().as_text())
-  assert plan.total_bytes == sum(c.bytes for c in found), plan.explain()
-  assert (_by_kind(plan.collectives).get("collective-permute", 0)
-          == _by_kind(found).get("collective-permute", 0)), plan.explain()
+  plan = assert_partitioned_matches(fn, args, in_specs, _mesh(mesh), rtol=tol, atol=tol,
+                                    atol_per_magnitude=True)
   first_spec = in_specs[0] if isinstance(in_specs, tuple) else in_specs
   if halo_only is None:
-    halo_only = _divides(want, first_spec, mesh)
+    halo_only = _divides(jax.eval_shape(fn, *args), first_spec, mesh)
   if halo_only:
-    kinds = {c.kind for c in found}
+    kinds = {c.kind for c in plan.collectives}
     assert "all-gather" not in kinds, plan.explain()
     if permutes:
       assert "collective-permute" in kinds, plan.explain()
       halos = [c for c in plan.collectives if c.kind == "collective-permute"]
       assert halos and all("halo" in c.tensor for c in halos), plan.explain()
-  return plan, found
+  return plan
 
 
 def conv(x, w, stride=1, padding="SAME", dn=NHWC, **kw):
@@ -121,19 +104,19 @@ def test_conv1d_window_stride_padding(window, stride, padding):
   """W = 32 on 8 shards of 4 (window 7 needs 3 rows a side: nearly a whole shard)."""
   x, w = data(1, 32, 2), data(window, 2, 3, seed=1)
   pad = PADDINGS[padding]
-  _, found = check(lambda x, w: conv(x, w, stride, pad, NWC), (x, w), (P(None, "x", None), P()),
-                   "x8", permutes=window > 1)
+  plan = check(lambda x, w: conv(x, w, stride, pad, NWC), (x, w), (P(None, "x", None), P()),
+               "x8", permutes=window > 1)
   if _out_size(32, window, stride, pad) % 8 == 0 and window > 1:
-    assert {c.kind for c in found} == {"collective-permute"}
+    assert {c.kind for c in plan.collectives} == {"collective-permute"}
 
 
 @pytest.mark.parametrize("window,padding", [(3, [(2, 0)]), (5, [(3, 1)]), (7, [(1, 5)]),
                                             (4, [(2, 1)]), (2, [(1, 0)])])
 def test_conv1d_asymmetric_padding_with_even_output_is_halo_only(window, padding):
   x, w = data(1, 32, 2), data(window, 2, 3, seed=1)
-  _, found = check(lambda x, w: conv(x, w, 1, padding, NWC), (x, w), (P(None, "x", None), P()),
-                   "x8", halo_only=True)
-  assert {c.kind for c in found} == {"collective-permute"}
+  plan = check(lambda x, w: conv(x, w, 1, padding, NWC), (x, w), (P(None, "x", None), P()),
+               "x8", halo_only=True)
+  assert {c.kind for c in plan.collectives} == {"collective-permute"}
 
 
 def test_conv1d_explicit_padding_wider_than_the_window():
@@ -244,9 +227,9 @@ def test_conv2d_nhwc_h_and_w_sharded(spec, window, stride, padding):
 ], ids=["out-nchw", "kernel-oihw", "spatial-first", "spatial-swapped"])
 def test_conv_dimension_numbers(dn, lhs_shape, rhs_shape, spec, mesh):
   x, w = data(*lhs_shape), data(*rhs_shape, seed=1)
-  _, found = check(lambda x, w: conv(x, w, 1, "SAME", dn), (x, w), (spec, P()), mesh,
-                   halo_only=True)
-  assert {c.kind for c in found} == {"collective-permute"}
+  plan = check(lambda x, w: conv(x, w, 1, "SAME", dn), (x, w), (spec, P()), mesh,
+               halo_only=True)
+  assert {c.kind for c in plan.collectives} == {"collective-permute"}
 
 
 @pytest.mark.parametrize("stride", [1, 2])
@@ -269,7 +252,7 @@ def test_conv3d(stride):
 def test_multi_hop_halo_wider_than_a_shard(fn):
   """16 rows on 8 shards of 2: a window of 7 needs 3 rows a side (two hops)."""
   x, w = data(1, 16, 2), data(7, 2, 3, seed=1)
-  plan, _ = check(fn, (x, w), (P(None, "x", None), P()), "x8", halo_only=True)
+  plan = check(fn, (x, w), (P(None, "x", None), P()), "x8", halo_only=True)
   assert len([c for c in plan.collectives if c.kind == "collective-permute"]) >= 3
 
 
@@ -347,8 +330,8 @@ def test_reduce_window_with_a_non_identity_init(mesh):
   """XLA leaves padding out of a generic reduce_window, whose identity spmd cannot know: a padded
   windowed dim is gathered whole, exactly, and the plan says so."""
   x = data(1, 16, 3)
-  plan, _ = check(lambda x: lax.reduce_window(x, 1.0, lax.add, (1, 3, 1), (1, 1, 1), "SAME"),
-                  (x,), P(None, "x", None), mesh, halo_only=False)
+  plan = check(lambda x: lax.reduce_window(x, 1.0, lax.add, (1, 3, 1), (1, 1, 1), "SAME"),
+               (x,), P(None, "x", None), mesh, halo_only=False)
   assert any("needs dim 1 of operand 0 whole" in w for w in plan.warnings)
 
 
@@ -434,9 +417,9 @@ LOCAL_SLICES = {("stride2", "x4"), ("stride2", "x8"), ("stride5", "x4")}
 @pytest.mark.parametrize("name", list(SLICES))
 def test_slice(name, mesh):
   local = (name, mesh) in LOCAL_SLICES
-  _, found = check(SLICES[name], (data(16, 3),), P("x", None), mesh, permutes=not local)
+  plan = check(SLICES[name], (data(16, 3),), P("x", None), mesh, permutes=not local)
   if local:
-    assert found == []
+    assert plan.collectives == ()
 
 
 def test_strided_slice_uneven():
@@ -496,19 +479,19 @@ def test_roll_is_halo_only_with_no_more_bytes_than_xla(shift, mesh, spec):
   of rows (XLA moves the same); a shift by whole blocks is one permute of whole blocks."""
   u = data(16, 16)
   fn = lambda u: jnp.roll(u, shift, 0)  # noqa: E731
-  plan, found = check(fn, (u,), spec, mesh, halo_only=True)
-  assert {c.kind for c in found} == {"collective-permute"}
+  plan = check(fn, (u,), spec, mesh, halo_only=True)
+  assert {c.kind for c in plan.collectives} == {"collective-permute"}
   assert plan.total_bytes <= _xla_bytes(fn, (u,), spec, mesh), plan.explain()
 
 
 def test_roll_along_two_sharded_dims_and_of_a_gradient():
   u = data(16, 16)
   fn = lambda u: jnp.roll(u, (2, -1), (0, 1))  # noqa: E731
-  plan, _ = check(fn, (u,), P("a", "b"), "ab", halo_only=True)
+  plan = check(fn, (u,), P("a", "b"), "ab", halo_only=True)
   assert plan.total_bytes <= _xla_bytes(fn, (u,), P("a", "b"), "ab")
   grad = jax.grad(lambda u: (jnp.roll(u, 3, 0) * u).sum())
-  plan, found = check(grad, (u,), P("x", None), "x8", halo_only=True)
-  assert {c.kind for c in found} == {"collective-permute"}
+  plan = check(grad, (u,), P("x", None), "x8", halo_only=True)
+  assert {c.kind for c in plan.collectives} == {"collective-permute"}
   assert plan.total_bytes <= _xla_bytes(grad, (u,), P("x", None), "x8"), plan.explain()
 
 
@@ -522,7 +505,7 @@ def test_roll_gradient_is_halo_only_with_no_more_bytes_than_xla(n, shift, mesh, 
   back: each shard takes its rows from the shards they rotate from, as the forward does."""
   grad = jax.grad(lambda u, v: (jnp.roll(u, shift, 0) * v).sum())
   args = (data(n, 16), data(n, 16, seed=1))
-  plan, _ = check(grad, args, (spec, spec), mesh, halo_only=n % 8 == 0, permutes=shift % n != 0)
+  plan = check(grad, args, (spec, spec), mesh, halo_only=n % 8 == 0, permutes=shift % n != 0)
   assert {c.kind for c in plan.collectives if c.op is not None} <= {"collective-permute"}
   assert plan.total_bytes <= _xla_bytes(grad, args, spec, mesh), plan.explain()
 
@@ -541,7 +524,7 @@ def test_rev_uneven_is_halo_only_with_no_more_bytes_than_xla(n, mesh, spec):
   """Uneven blocks: the mirrored block reversed, then rotated back by the padding's rows."""
   fn = lambda u: (jnp.flip(u, 0), jnp.flip(u, (0, 1)) * 2)  # noqa: E731
   args = (data(n, 7),)
-  plan, _ = check(fn, args, spec, mesh)
+  plan = check(fn, args, spec, mesh)
   assert {c.kind for c in plan.collectives if c.op is not None} == {"collective-permute"}
   assert plan.total_bytes <= _xla_bytes(fn, args, spec, mesh), plan.explain()
 
@@ -631,8 +614,8 @@ def _assert_grads_match(fn, args, specs, argnums, tol=1e-4):
 
 def test_resnet_stem_forward_is_halo_only():
   x, w = data(*IMAGE), data(7, 7, 3, 8, seed=1, scale=0.1)
-  plan, found = check(resnet_stem, (x, w), (H4, P()), "h4", halo_only=True, tol=1e-4)
-  assert {c.kind for c in found} == {"collective-permute"}
+  plan = check(resnet_stem, (x, w), (H4, P()), "h4", halo_only=True, tol=1e-4)
+  assert {c.kind for c in plan.collectives} == {"collective-permute"}
   assert plan.out_specs == H4
 
 
@@ -646,9 +629,9 @@ def test_unet_block_forward(up):
   x, ws = data(*IMAGE), _unet_weights(up)
   fn = functools.partial(unet_block, up=up)
   specs = (H4, P(), P(), P(), P())
-  _, found = check(fn, (x, *ws), specs, "h4", halo_only=up != "resize", tol=1e-4)
+  plan = check(fn, (x, *ws), specs, "h4", halo_only=up != "resize", tol=1e-4)
   if up != "resize":  # nearest resize is a gather: it may gather H
-    assert {c.kind for c in found} == {"collective-permute"}
+    assert {c.kind for c in plan.collectives} == {"collective-permute"}
 
 
 @pytest.mark.parametrize("up", ["transpose", "repeat"])

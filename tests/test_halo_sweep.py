@@ -2,11 +2,12 @@
 convolutions, forward and gradient, over window, stride, padding (none, one side, both sides),
 base and window dilation, shards of 1-2 rows and uneven sizes, one or two sharded dims.
 
-Every case checks that the partitioned program equals the unpartitioned one, that the plan's
-bytes equal the compiled HLO's, and that no op fell back to running replicated. Where the output
-splits evenly and a halo moves no more than gathering the dim (its reach is enumerated here,
-window by window, independently of spmd/partition/halo_geometry.py), the program must exchange
-halos only: no all-gather; on one sharded dim the halo is exactly the rows the windows reach.
+Every case checks that the partitioned program equals the unpartitioned one, that the plan moves
+the compiled HLO's bytes per collective kind, and that no op fell back to running replicated.
+Where the output splits evenly and a halo moves no more than gathering the dim (its reach is
+enumerated here, window by window, independently of spmd/partition/halo_geometry.py), the program
+must exchange halos only: no all-gather; on one sharded dim the halo is exactly the rows the
+windows reach.
 
 The max-pool gradient (select_and_scatter_add) has its own sweep: it exchanges exactly the
 windows (cotangent rows) touching a shard's rows and the input rows those windows read, even or
@@ -32,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.hlo import collectives
+from helpers import assert_partitioned_matches
 
 WINDOWS, STRIDES = (1, 2, 3, 5), (1, 2, 3)
 PADDINGS = ((0, 0), (1, 1), (2, 0), (0, 2), (2, 2), (3, 1))
@@ -152,22 +153,18 @@ def _windowed(op: str, g: Geometry, dims: tuple[int, ...]):
                                      per(g.base_dilation, 1), per(g.window_dilation, 1))
 
 
-def _check(fn, args, specs, mesh, *, halo_only: bool, halo_rows: int | None = None):
+def _check(fn, args, specs, mesh, *, halo_only: bool, halo_rows: int | None = None) -> spmd.Plan:
+  """``assert_partitioned_matches``; then no all-gather where ``halo_only``, and halos of exactly
+  ``halo_rows`` rows of the first input where given. Returns the plan."""
   x = args[0]
-  f = spmd.partition(fn, mesh=mesh, in_specs=specs)
-  got, want = f(*args), fn(*args)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
-  plan = f.plan(*args)
-  assert not [w for w in plan.warnings if "has no sharding rule" in w], plan.explain()
-  found = collectives(f.lower(*args).compile().as_text())
-  assert plan.total_bytes == sum(c.bytes for c in found), plan.explain()
-  if halo_only:
-    assert "all-gather" not in {c.kind for c in found}, plan.explain()
+  plan = assert_partitioned_matches(fn, args, specs, mesh, rtol=1e-4, atol=1e-4)
+  if halo_only:  # the plan's kinds are the compiled program's
+    assert "all-gather" not in {c.kind for c in plan.collectives}, plan.explain()
   if halo_rows is not None:
     row = x.shape[0] * x.shape[-1] * x.dtype.itemsize
     halos = sum(c.bytes for c in plan.collectives if c.kind == "collective-permute")
     assert halos == halo_rows * row, plan.explain()
+  return plan
 
 
 @_cases(SIZES_1D, lambda s: [s[::-1]], 32, seed=0)
