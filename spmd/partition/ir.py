@@ -249,12 +249,22 @@ def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | Non
     return None
   inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
                  for a in op.inputs)
+  params = _canonical_slice(op) if op.primitive == "slice" else op.params
   try:
-    key = (op.primitive, inputs, tuple(sorted(op.params.items())))
+    key = (op.primitive, inputs, tuple(sorted(params.items())))
     hash(key)
   except TypeError:
     return None
   return key
+
+
+def _canonical_slice(op: Op) -> dict[str, Any]:
+  """A slice's params in the one form shared by every slice taking the same elements, as XLA's
+  simplifier sees them: the limit just past the last element taken, stride 1 where one is."""
+  shape, starts = op.outputs[0].shape, tuple(op.params["start_indices"])
+  strides = tuple(1 if n == 1 else s for n, s in zip(shape, op.params["strides"] or (1,) * len(shape)))
+  limits = tuple(b + (n - 1) * s + 1 for b, n, s in zip(starts, shape, strides))
+  return {"start_indices": starts, "limit_indices": limits, "strides": strides}
 
 
 def _literal_key(val: Any) -> Any:
