@@ -21,6 +21,7 @@ taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise the dim is gat
 """
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from dataclasses import InitVar, dataclass, field
@@ -38,7 +39,7 @@ Shape = Sequence[int]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReshardStep:
+class ReshardStep(abc.ABC):
   """One step on a tensor of global shape ``shape``: ``before`` → ``after`` over mesh ``axes``,
   acting on dim ``dim``. ``bytes`` is per device: the larger of its ``buffers`` at ``itemsize``
   bytes per element (0 for a step that does not communicate)."""
@@ -82,9 +83,9 @@ class ReshardStep:
     src, _ = self.buffers(shape, mesh)
     return cut_to(self.run(pad_to(x, src), mesh), self.after.local_shape(shape, mesh))
 
+  @abc.abstractmethod
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     """The collective (or local slice) on the input buffer ``x``."""
-    raise NotImplementedError
 
 
 @dataclass(frozen=True, kw_only=True)
