@@ -124,14 +124,14 @@ class _Steady:
 def _collector_paused() -> Iterator[None]:
   """Python's cyclic garbage collector paused: a build allocates millions of small objects that
   all live until it returns (the jaxpr, the program, shardings, the schedule), which the
-  collector would otherwise rescan over and over (a quarter of a large build's time). Cycles
+  collector would otherwise rescan over and over (a fifth of a build's CPU at 8 layers). Cycles
   made meanwhile (JAX's tracers) are collected once it resumes."""
-  paused = gc.isenabled()
+  enabled = gc.isenabled()
   gc.disable()
   try:
     yield
   finally:
-    if paused:
+    if enabled:
       gc.enable()
 
 
@@ -536,7 +536,8 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
   if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
     return None
   sharding = leaf.sharding
-  if (leaf.committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and sharding.mesh.axis_names == mesh.axis_names
+  if (leaf.committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
+      and sharding.mesh.axis_names == mesh.axis_names
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None
