@@ -7,8 +7,8 @@ failing example prints as code. Every dim is a power of two no larger than the s
 every drawn spec divides the dims it shards (uneven sharding is out of scope here).
 
 The plan describes the program spmd emits; XLA then simplifies it (common subexpressions,
-``x - x``, ``abs(abs(x))``, ``slice(concatenate(...))``), which merges or deletes collectives that
-feed equal or unused values. So the generator never writes one computation twice (up to views:
+``x - x``, ``abs(abs(x))``, ``slice(concatenate(...))``, on integers ``(x + y) - x``), which merges
+or deletes collectives that feed equal or unused values. So the generator never writes one computation twice (up to views:
 reshape, broadcast, transpose, annotate) nor such foldable forms: a plan/HLO difference is then
 the partitioner's. Annotations are not deduplicated: the partitioner itself must handle those.
 
@@ -198,6 +198,7 @@ class _Builder:
   data: dict[str, str] = field(default_factory=dict)  # value -> root: the value it is a view of
   unary: dict[str, str] = field(default_factory=dict)  # value -> the unary template that made it
   made_by: dict[str, str] = field(default_factory=dict)  # value -> the OPS entry that made it
+  summands: dict[str, frozenset[str]] = field(default_factory=dict)  # int sum -> roots it adds
   sigs: set[tuple] = field(default_factory=set)  # what each value computes, up to views
   lines: list[str] = field(default_factory=list)
   last: str = ""
@@ -240,6 +241,19 @@ class _Builder:
   def root(self, name: str) -> str:
     return self.data.get(name, name)
 
+  def terms(self, name: str) -> frozenset[str]:
+    """The roots an integer value adds up, through sums of sums: ``{a, b}`` for ``(a + 1) - b``."""
+    root = self.root(name)
+    return self.summands.get(root, frozenset()) | {root}
+
+  def add_sum(self, name: str | None, *operands: str) -> str | None:
+    """Records ``name``, an integer sum or difference of ``operands`` (and literals), in
+    ``summands``. XLA's simplifier cancels a summand on integers (``(a + b) - a`` is ``b``,
+    ``(a + 1) - a`` is ``1``), which leaves the collectives that fed it dead."""
+    if name is not None and self.dtype_of(name) == "int32":
+      self.summands[name] = frozenset().union(*(self.terms(o) for o in operands))
+    return name
+
   def shape(self, name: str) -> tuple[int, ...]:
     return self.values[name][0]
 
@@ -267,6 +281,7 @@ FOLDED_UNARY = ("jnp.abs({})", "jax.nn.relu({})", "-{}")  # f(f(y)) is f(y) or y
 INT_UNARY = ("-{}", "jnp.abs({})", "{} * 3", "{} + 1", "jnp.square({})")
 BINARY = ("{} + {}", "{} - {}", "{} * {}", "jnp.maximum({}, {})", "jnp.minimum({}, {})")
 FOLDED = ("{} - {}", "jnp.maximum({}, {})", "jnp.minimum({}, {})")  # trivial on equal operands
+SUMS = ("{} + {}", "{} - {}")
 COMMUTATIVE = ("{} + {}", "{} * {}", "jnp.maximum({}, {})", "jnp.minimum({}, {})")
 
 
@@ -281,7 +296,7 @@ def op_unary(b: _Builder) -> str | None:
   name = b.emit(template.format(x), b.shape(x), dtype, sig=(template, b.root(x)))
   if name:
     b.unary[name] = template
-  return name
+  return b.add_sum(name, x) if template == "{} + 1" else name
 
 
 def op_binary(b: _Builder) -> str | None:
@@ -290,8 +305,9 @@ def op_binary(b: _Builder) -> str | None:
   template = draw(st.sampled_from(BINARY))
   if draw(st.integers(0, 5)) == 0:  # a scalar literal
     literal = "0.5" if b.dtype_of(x) == "float32" else "2"
-    return b.emit(template.format(x, literal), sx, b.dtype_of(x),
+    name = b.emit(template.format(x, literal), sx, b.dtype_of(x),
                   sig=(template, b.root(x), literal))
+    return b.add_sum(name, x) if template in SUMS else name
 
   def fits(s: tuple[int, ...], d: str) -> bool:
     out = _broadcast_shape(sx, s)
@@ -312,12 +328,17 @@ def op_binary(b: _Builder) -> str | None:
     # x - x, max(x, x): XLA folds these, and the two collectives that fed them become one
     # (common-subexpression elimination), so the HLO would move less than the plan says
     template = "{} + {}"
+  dtype = _promote(b.dtype_of(x), b.dtype_of(y))
+  if (template in SUMS and dtype == "int32" and b.root(x) != b.root(y)
+      and b.terms(x) & b.terms(y)):
+    return None  # (a + b) - a, (a - b) + b on integers: XLA cancels a summand (see add_sum)
   out = _broadcast_shape(b.shape(x), b.shape(y))
   if out is None or not _fits(out):
     return None
   roots = (b.root(x), b.root(y))
   sig = (template, *(sorted(roots) if template in COMMUTATIVE else roots))
-  return b.emit(template.format(x, y), out, _promote(b.dtype_of(x), b.dtype_of(y)), sig=sig)
+  name = b.emit(template.format(x, y), out, dtype, sig=sig)
+  return b.add_sum(name, x, y) if template in SUMS else name
 
 
 def op_broadcast(b: _Builder) -> str | None:
