@@ -944,22 +944,10 @@ def test_scan_over_sharded_dim(mesh, sx, sw):
                              rtol=1e-4, atol=1e-4)
 
 
-# Two layouts where the plan prices a loop-invariant reshard of w in both loop bodies (twice the
-# compiled bytes of that kind) while the compiled program moves it once: XLA hoists the identical
-# collective out of the scan and the while loop and merges the copies.
-_HOISTED = {
-    2: "plan all-gather 512 B + reduce-scatter 512 B, compiled all-gather 256 B + reduce-scatter "
-       "512 B: w's gather is scheduled in both loop bodies, XLA hoists and merges it",
-    4: "plan all-gather 1024 B + all-to-all 256 B, compiled all-gather 768 B + all-to-all 128 B: "
-       "w's reshard is scheduled in both loop bodies, XLA hoists and merges it",
-}
-WHILE_CASES = [pytest.param(*case, id=name, marks=pytest.mark.xfail(strict=True, reason=_HOISTED[k])
-                            if k in _HOISTED else ())
-               for k, (case, name) in enumerate(zip(CONTROL, _ids(CONTROL)))]
-
-
-@pytest.mark.parametrize("mesh,sx,sw", WHILE_CASES)
+@pytest.mark.parametrize("mesh,sx,sw", CONTROL, ids=_ids(CONTROL))
 def test_while_loop(mesh, sx, sw):
+  """w is invariant in both loops: a reshard of it runs once, before the first loop, and serves
+  both (as XLA hoists and merges it)."""
   def fn(x, w, n):
     static = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w) + i, x)       # lowers to scan
     dynamic = lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ w) + i, x)      # a while loop

@@ -67,6 +67,7 @@ class _Interpreter:
   def __init__(self, analysis: Analysis, mesh: MeshShape):
     self.analysis, self.mesh = analysis, mesh
     self.aliases = analysis.schedule.aliases  # an annotation's result is its operand
+    self.hoisted: dict[RegionSchedule, list] = {}  # forms made before a loop, for its body
 
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
@@ -104,6 +105,8 @@ class _Interpreter:
         continue  # an annotation or a repeated op (cse.py): nothing to run
       args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
       if s.regions:
+        for r in s.regions:
+          self.hoisted[r] = [self.read(env, s.op.inputs[h.operand], h.form) for h in r.hoisted]
         outs = describe(s.op.eqn.primitive).control.lower(self, s, args)
       else:
         ex = s.execution
@@ -115,6 +118,7 @@ class _Interpreter:
 
   def region(self, r: RegionSchedule, region: Any, args: Sequence[Any]) -> list:
     env: Env = {(v, s): a for v, s, a in zip(region.inputs, r.inputs, args)}
+    env.update({(region.inputs[h.input], h.form): x for h, x in zip(r.hoisted, self.hoisted[r])})
     self.ops(r.ops, env)
     self.transfers(r.exit, env)
     return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]

@@ -52,6 +52,7 @@ class ControlFlow:
   links: Callable[["Op"], list]              # -> rules.control.Link per tied group of tensors
   lower: Callable[[Any, Any, list], list]    # (interpreter, scheduled op, operands) -> results
   trips: Callable[[dict], int | None]        # how often the regions run per op (None: unknown)
+  invariants: Callable[["Op"], list]         # -> rules.control.Invariant per loop-invariant input
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
     outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
     by_op.setdefault(s.op.index, [])
     for t in s.transfers:
-      owner = _caused_by(s.op.inputs[t.slot.index], t, annotations, prop) or s.op
+      owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
       by_op.setdefault(owner.index, []).extend(
           _collective(step, owner, t, outer) for step in t.steps if step.communicates)
     by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
@@ -137,9 +137,10 @@ def _inner_trips(op: Op, trips: int | None) -> int | None:
 def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:
   """``op`` None: a transfer at the program's entry (an input) or exit (an output)."""
   boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
+  tensor = str(t.slot) if t.reader is None else f"{t.slot}, hoisted before its loop"
   return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
                     t.slot.kind if op is None else op.primitive,
-                    boundary if op is None else op.source, str(t.slot), _shape(t.value),
+                    boundary if op is None else op.source, tensor, _shape(t.value),
                     str(step.before), str(step.after), trips)
 
 

@@ -7,6 +7,9 @@ reduced once however many ops read it. A pending partial sum flows through ops t
 it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot followed by
 an add of another partial sum needs one psum, not two; a psum whose consumer shards the summed
 axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the output.
+A reshard of a loop-invariant body input (one of the loop's consts) runs once, before the loop, on
+the loop's operand, and its result is passed in (as XLA's loop-invariant code motion does): two
+loops reading one weight in one form reshard it once.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.rules.control import Invariant
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
 
@@ -48,6 +52,16 @@ class Transfer:
   dst: TensorSharding
   steps: tuple[ReshardStep, ...]
   slot: Slot
+  reader: Op | None = None  # hoisted out of a loop: the body op whose slot it fills (else None)
+
+
+@dataclass(frozen=True)
+class Hoisted:
+  """A form of a loop-invariant region input made before the loop, from the op's operand."""
+
+  input: int
+  operand: int
+  form: TensorSharding
 
 
 @dataclass(eq=False)
@@ -56,6 +70,7 @@ class RegionSchedule:
   ops: list[ScheduledOp]
   exit: list[Transfer]                           # run at the end of the region
   outputs: tuple[TensorSharding, ...]            # forms of the outputs handed back
+  hoisted: tuple[Hoisted, ...] = ()              # further forms of invariant inputs passed in
 
 
 @dataclass(eq=False)
@@ -97,6 +112,7 @@ class _Scheduler:
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
+    self.invariants: dict[Value, _Invariant] = {}  # a loop body's invariant input -> its loop
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
 
   # --- forms ------------------------------------------------------------------------------------
@@ -116,11 +132,20 @@ class _Scheduler:
       return 0
     return sum(s.bytes for s in self._best(v, dst)[1])
 
-  def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot) -> None:
+  def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot,
+              reader: Op | None = None, hoisted: bool = False) -> None:
+    """Makes ``v`` available as ``dst`` (``slot`` of ``reader``): a loop-invariant body input
+    is resharded before its loop (and so on out of every loop it is invariant in)."""
     if dst in self.forms[v]:
       return
+    loop = self.invariants.get(self.aliases.get(v, v))
+    if loop is not None:
+      self.acquire(loop.operand, dst, loop.transfers, slot, reader, hoisted=True)
+      loop.hoisted.append(Hoisted(loop.invariant.input, loop.invariant.operand, dst))
+      self.forms[v].append(dst)
+      return
     src, steps = self._best(v, dst)
-    out.append(Transfer(v, src, dst, steps, slot))
+    out.append(Transfer(v, src, dst, steps, slot, reader if hoisted else None))
     for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
       if form not in self.forms[v]:
         self.forms[v].append(form)
@@ -154,7 +179,7 @@ class _Scheduler:
     transfers: list[Transfer] = []
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
       if isinstance(x, Value) and need is not None:
-        self.acquire(x, need, transfers, Slot("operand", k))
+        self.acquire(x, need, transfers, Slot("operand", k), op)
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
     new_hops = []
@@ -234,7 +259,13 @@ class _Scheduler:
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
       if isinstance(x, Value):
         reads[k] = need or self.shardings[x]
-        self.acquire(x, reads[k], transfers, Slot("operand", k))
+        self.acquire(x, reads[k], transfers, Slot("operand", k), op)
+    hoisted: list[list[Hoisted]] = [[] for _ in op.regions]
+    for inv in describe(op.eqn.primitive).control.invariants(op):
+      x = op.inputs[inv.operand]
+      if isinstance(x, Value):
+        self.invariants[op.regions[inv.region].inputs[inv.input]] = _Invariant(
+            x, inv, transfers, hoisted[inv.region])
     regions = []
     for r, region in enumerate(op.regions):
       arrive = tuple(s or self.shardings[v] for s, v in zip(inputs[r], region.inputs))
@@ -246,11 +277,22 @@ class _Scheduler:
         if isinstance(x, Value):
           self.acquire(x, need, exit_transfers, Slot("region output", j, r))
         leave.append(need)
-      regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave)))
+      regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave), tuple(hoisted[r])))
     final = tuple(w or self.shardings[v] for w, v in zip(writes, op.outputs))
     for v, w in zip(op.outputs, final):
       self.forms[v] = [w]
     return ScheduledOp(op, transfers, tuple(reads), final, None, tuple(regions))
+
+
+@dataclass(frozen=True)
+class _Invariant:
+  """Where a loop-invariant body input's reshards go: the loop's ``operand`` is resharded among
+  the loop's ``transfers``, and the form is passed in (``hoisted``, the body's list)."""
+
+  operand: Value
+  invariant: Invariant
+  transfers: list[Transfer]
+  hoisted: list[Hoisted]
 
 
 def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],

@@ -35,6 +35,33 @@ def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
               tuple(operands), tuple(results))
 
 
+@dataclass(frozen=True)
+class Invariant:
+  """A loop body's input that holds the same value on every trip (one of the loop's consts),
+  and the op's operand it is: a reshard of it runs once, before the loop, as XLA's
+  loop-invariant code motion moves it."""
+
+  region: int
+  input: int
+  operand: int
+
+
+def scan_invariants(op: Op) -> list[Invariant]:
+  return [Invariant(0, k, k) for k in range(scan_layout(op.params).num_consts)]
+
+
+def while_invariants(op: Op) -> list[Invariant]:
+  """The body's consts; the condition's stay inside (XLA hoists only out of the body)."""
+  cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+  return [Invariant(1, k, cn + k) for k in range(bn)]
+
+
+def cond_invariants(op: Op) -> list[Invariant]:
+  """None: a branch runs at most once, and a reshard moved before the cond would run for the
+  branches not taken too."""
+  return []
+
+
 def scan(op: Op) -> list[Link]:
   layout = scan_layout(op.params)
   nc, nk = layout.num_consts, layout.num_carry
