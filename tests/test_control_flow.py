@@ -1,0 +1,108 @@
+"""Loop-invariant reshards: a loop body reading one of the loop's consts in another sharding
+reshards it once, before the loop (as XLA's loop-invariant code motion does), not once per trip;
+reshards of carries and scanned slices stay inside."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_partitioned_matches, randn
+
+# x is split over both axes and w over them the other way round: x @ w gathers w over "a" (the
+# dot keeps x's layout), and the partial sum over "b" is reduce-scattered into the carry.
+MESH, SX, SW = "a2b4", P("a", "b"), P("b", "a")
+W_SHAPE = "float32[16,16]"
+
+
+def _of_w(plan, shape: str = W_SHAPE) -> list:
+  """The plan's collectives moving a tensor of w's shape."""
+  return [c for c in plan.collectives if c.shape == shape]
+
+
+def test_scan_reads_an_invariant_weight_resharded_once():
+  """Ten steps read w: its gather runs once, before the scan (bytes counted once per call, not
+  ten times), on the row of the dot that reads it; the carry's reduce-scatter runs every step."""
+  def fn(x, w):
+    return lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=10)[0]
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3), (SX, SW),
+                                    MESH, rtol=1e-4, atol=1e-4)
+  (gather,) = _of_w(plan)
+  assert (gather.kind, gather.trips, gather.primitive) == ("all-gather", 1, "dot_general")
+  assert gather.step_bytes == gather.bytes == 256
+  assert "hoisted" in gather.tensor
+  carry = [c for c in plan.collectives if c is not gather]
+  assert carry and all(c.trips == 10 for c in carry), plan.explain()
+
+
+def test_two_loops_reading_one_weight_share_its_reshard():
+  def fn(x, w):
+    a = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+    b = lax.scan(lambda h, _: (jnp.sin(h @ w), None), x, None, length=5)[0]
+    return a, b
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3), (SX, SW),
+                                    MESH, rtol=1e-4, atol=1e-4)
+  assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
+
+
+def test_nested_loops_hoist_out_of_every_loop():
+  """w is invariant in the inner loop and in the outer one: its gather runs once per call."""
+  def fn(x, w):
+    def outer(h, _):
+      return lax.fori_loop(0, 3, lambda i, g: jnp.tanh(g @ w) + 0.1 * i, h), None
+
+    return lax.scan(outer, x, None, length=4)[0]
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3), (SX, SW),
+                                    MESH, rtol=1e-4, atol=1e-4)
+  assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
+  assert {c.trips for c in plan.collectives if c.shape != W_SHAPE} == {12}, plan.explain()
+
+
+def test_invariant_read_in_a_while_body_of_unknown_trips():
+  """A while loop's trip count is a runtime value (zero included: the reshard before the loop
+  then runs for nothing, harmlessly, as XLA's hoisted copy does); w's gather is counted once, the
+  carry's per (unknown) trip."""
+  def fn(x, w, n):
+    return lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, jnp.tanh(s[1] @ w)), (0, x))
+
+  for n in (0, 4):
+    plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3,
+                                           np.int32(n)), (SX, SW, P()), MESH, rtol=1e-4, atol=1e-4)
+    assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
+    assert {c.trips for c in plan.collectives if c.shape != W_SHAPE} == {None}, plan.explain()
+
+
+def test_cond_branches_in_a_loop_keep_their_reshards():
+  """A cond's branches read w through their own inputs: a branch runs at most once per cond, so
+  its reshards stay in the branch (XLA leaves them there too), once per trip."""
+  def fn(x, w):
+    def body(i, h):
+      return lax.cond(i % 2 == 0, lambda h, w: jnp.tanh(h @ w), lambda h, w: jnp.sin(h @ w), h, w)
+
+    return lax.fori_loop(0, 4, body, x)
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3), (SX, SW),
+                                    MESH, rtol=1e-4, atol=1e-4)
+  assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 4)] * 2, plan.explain()
+
+
+def test_gradient_of_a_scanned_layer_stack():
+  """Layers scanned over stacked kernels (resharded per layer) with a shared projection (an
+  invariant, gathered once before the forward scan) and their gradient: the backward scan
+  accumulates the projection's gradient in a carry, reduced every trip."""
+  def loss(ws, proj, x):
+    def layer(h, w):
+      return jnp.tanh(h @ w) @ proj, None
+
+    return jnp.sum(lax.scan(layer, x, ws)[0] ** 2)
+
+  args = (randn(6, 16, 32, seed=2) * 0.3, randn(32, 16, seed=1) * 0.3, randn(8, 16))
+  plan = assert_partitioned_matches(jax.grad(loss, argnums=(0, 1)), args,
+                                    (P(None, "b", "a"), SW, SX), MESH, rtol=1e-4, atol=1e-4)
+  hoisted = [(c.kind, c.shape, c.trips) for c in plan.collectives if "hoisted" in c.tensor]
+  assert hoisted == [("all-gather", "float32[32,16]", 1)], plan.explain()
+  accumulated = [c for c in _of_w(plan, "float32[32,16]") if c.kind == "all-reduce"]
+  assert accumulated and all(c.trips == 6 for c in accumulated), plan.explain()
