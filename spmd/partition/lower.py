@@ -2,7 +2,8 @@
 
 The local program replays the schedule: before each op the scheduled reshards run as explicit
 collectives (psum, psum_scatter, all_gather, all_to_all, ppermute) or local slices; each op runs
-on local shards (spmd/partition/local.py); scan / while / cond run with partitioned bodies.
+on local shards (spmd/partition/local.py); scan / while / cond run with partitioned bodies (a
+loop's invariant reshards made before it, their results read in the body).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class _Interpreter:
   def __init__(self, analysis: Analysis, mesh: MeshShape):
     self.analysis, self.mesh = analysis, mesh
     self.aliases = analysis.schedule.aliases  # an annotation's result is its operand
-    self.hoisted: dict[RegionSchedule, list] = {}  # forms made before a loop, for its body
+    self.hoisted: dict[RegionSchedule, list] = {}  # forms made before a loop, while it is traced
 
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
@@ -108,6 +109,8 @@ class _Interpreter:
         for r in s.regions:
           self.hoisted[r] = [self.read(env, s.op.inputs[h.operand], h.form) for h in r.hoisted]
         outs = describe(s.op.eqn.primitive).control.lower(self, s, args)
+        for r in s.regions:  # the bodies are traced: keep no tracer past them
+          del self.hoisted[r]
       else:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
