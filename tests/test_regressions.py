@@ -178,3 +178,20 @@ def test_strided_slices_with_other_limits_are_one_slice():
   x = jnp.arange(16, dtype=jnp.float32) / 16
   plan = assert_partitioned_matches(f, (x,), (P("x"),), "x8")
   assert [r.primitive for r in plan.rows].count("slice") == 1
+
+
+def test_select_between_one_value_is_that_value():
+  """The gradient of ``table.at[ids].set(0.0)`` selects, by a winner mask read from a gather of
+  the table's scatter, between two zero arrays: one traced with ``sharding=None``, the other with
+  ``P(None, None)`` under the abstract mesh. XLA merges the two zeros and folds the select, so
+  the mask, its gather and the gather's all-reduce are dead: HLO 32 B, plan 544 B. ``cse_key``
+  now takes a sharding param naming no mesh axis as None, and a select whose cases are all one
+  value is that value (ir._dedupe). (tests/test_primitives.py::test_grad_gather_scatter.)"""
+  def loss(table, ids):
+    return jnp.sum(table.at[ids].set(0.0) ** 2)
+
+  table = jnp.asarray(np.random.default_rng(0).standard_normal((32, 16)), jnp.float32)
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, 32, (8,)), jnp.int32)
+  plan = assert_partitioned_matches(jax.grad(loss), (table, ids), (P("x"), P("x")), "x8")
+  assert [c.kind for c in plan.collectives] == ["all-gather"]
+

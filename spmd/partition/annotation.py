@@ -15,7 +15,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.partition.ir import Op
+from spmd.partition.ir import Op, names_mesh_axes
 from spmd.partition.primitives import describe
 from spmd.partition.sharding import mesh_text
 
@@ -88,11 +88,9 @@ def _out_sharding(op: Op) -> Request | None:
   request; the dims it leaves None stay open, since JAX writes the shardings it infers into the
   same params and spmd cannot tell a user's None from an inferred one."""
   sharding = op.params.get("out_sharding", op.params.get("sharding"))
-  if not isinstance(sharding, NamedSharding) or len(op.outputs) != 1:
+  if not names_mesh_axes(sharding) or len(op.outputs) != 1:
     return None
   spec = sharding.spec
-  if not any(entry not in (None, P.UNCONSTRAINED) for entry in spec):
-    return None
   rank = len(op.outputs[0].shape)
   return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
                          or spec[d] is P.UNCONSTRAINED)

@@ -15,9 +15,11 @@ from typing import Any, Callable, Union
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from spmd.partition.jax_compat import open_jaxpr
-from spmd.partition.primitives import describe
+from spmd.partition.primitives import SHARDING_PARAMS, describe
 from spmd.partition.roll import fuse_rolls
 
 _ids = itertools.count()
@@ -222,7 +224,8 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
 
 def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[Atom, ...]]:
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
-  one reuses its results (XLA merges them too, collectives included)."""
+  one reuses its results (XLA merges them too, collectives included); a select whose cases are
+  all one value is that value (XLA's simplifier folds it, and the predicate may then be dead)."""
   alias: dict[Value, Value] = {}
   seen: dict[tuple, Op] = {}
   kept: list[Op] = []
@@ -231,6 +234,10 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
+    case = _only_case(op)
+    if case is not None:
+      alias[op.outputs[0]] = case
+      continue
     key = cse_key(op)
     if key is not None and key in seen:
       alias.update(zip(op.outputs, seen[key].outputs))
@@ -241,6 +248,14 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   return kept, tuple(sub(a) for a in outputs)
 
 
+def _only_case(op: Op) -> Value | None:
+  """The value every case of a ``select_n`` is, else None."""
+  if op.primitive != "select_n":
+    return None
+  first = op.inputs[1]
+  return first if isinstance(first, Value) and all(c is first for c in op.inputs[2:]) else None
+
+
 def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
   """What makes two ops one computation: primitive, params and inputs (``name`` maps a value to
   the value it equals); None for ops never merged (control flow, effects, stateful primitives)."""
@@ -249,13 +264,23 @@ def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | Non
     return None
   inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
                  for a in op.inputs)
-  params = _canonical_slice(op) if op.primitive == "slice" else op.params
+  params = _canonical_slice(op) if op.primitive == "slice" else dict(op.params)
+  if info is None or info.annotation is None:
+    params.update({k: None for k in SHARDING_PARAMS
+                   if k in params and not names_mesh_axes(params[k])})
   try:
     key = (op.primitive, inputs, tuple(sorted(params.items())))
     hash(key)
   except TypeError:
     return None
   return key
+
+
+def names_mesh_axes(sharding: Any) -> bool:
+  """Whether an op's ``sharding``/``out_sharding`` param names a mesh axis for some dim; one that
+  names none (JAX writes ``P(None, ...)`` under an abstract mesh, or None) asks nothing."""
+  return isinstance(sharding, NamedSharding) and any(
+      entry not in (None, P.UNCONSTRAINED) for entry in sharding.spec)
 
 
 def _canonical_slice(op: Op) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Rotation, geometry
 from spmd.partition.ir import Op, Value
-from spmd.partition.primitives import describe
+from spmd.partition.primitives import bind, describe
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -65,16 +65,6 @@ class Local:
   def offset(self, s: TensorSharding, dim: int, local_size: int) -> jax.Array:
     """Global index of this device's first element along ``dim``."""
     return shard_index(s.dims[dim]) * local_size
-
-
-_SHARDING_PARAMS = ("sharding", "out_sharding")
-
-
-def bind(op: Op, args: list, **overrides: Any) -> list:
-  params = {k: (None if k in _SHARDING_PARAMS else v) for k, v in op.params.items()}
-  params.update(overrides)
-  out = op.eqn.primitive.bind(*args, **params)
-  return list(out) if op.eqn.primitive.multiple_results else [out]
 
 
 def run_local(local: Local, args: list) -> list:

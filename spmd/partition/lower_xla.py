@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from spmd.partition.ir import Atom, Literal, Op, Value
-from spmd.partition.local import bind
 from spmd.partition.planner import Analysis
-from spmd.partition.primitives import describe
+from spmd.partition.primitives import bind, describe
 
 def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
   program, shardings = analysis.program, analysis.propagation.shardings

@@ -80,6 +80,19 @@ def describe(primitive: Primitive) -> PrimitiveInfo | None:
   return registry().get(primitive)
 
 
+# An op's params naming its result's sharding (under an Explicit mesh, or written by JAX).
+SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def bind(op: "Op", args: list, **overrides: Any) -> list:
+  """The op's primitive applied to ``args`` (its params, sharding params dropped, ``overrides``
+  replacing others): the op run on arrays rather than traced."""
+  params = {k: (None if k in SHARDING_PARAMS else v) for k, v in op.params.items()}
+  params.update(overrides)
+  out = op.eqn.primitive.bind(*args, **params)
+  return list(out) if op.eqn.primitive.multiple_results else [out]
+
+
 def replicated_rule(op: "Op") -> OpShardingRule:
   """Every dim of every tensor replicated: correct for any primitive, never fast."""
   b = RuleBuilder()
