@@ -1,6 +1,6 @@
-"""Loop-invariant reshards: a loop body reading one of the loop's consts in another sharding
-reshards it once, before the loop (as XLA's loop-invariant code motion does), not once per trip;
-reshards of carries and scanned slices stay inside."""
+"""Loop invariants: a loop body reading one of the loop's consts, or a value computed from them
+alone, in another sharding reshards it once, before the loop (as XLA's loop-invariant code motion
+does), not once per trip; reshards of carries and scanned slices stay inside."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +47,37 @@ def test_two_loops_reading_one_weight_share_its_reshard():
   assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
 
 
+def test_a_value_computed_from_invariants_leaves_the_loop():
+  """``w.T * 2`` in two loop bodies depends on w alone: it is computed before each loop (the two
+  merged, cse.py) and gathered once, as XLA hoists and merges it."""
+  def fn(x, w):
+    a = lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ (w.T * 2)), x)
+    b = lax.fori_loop(0, 5, lambda i, h: jnp.sin(h @ (w.T * 2)), x)
+    return a, b
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(16, 16, seed=1) * 0.3), (SX, SX),
+                                    MESH, rtol=1e-4, atol=1e-4)
+  assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
+  assert [r.depth for r in plan.rows if r.primitive in ("transpose", "mul")] == [0] * 4
+
+
+def test_a_partial_sum_computed_before_the_loop_is_reduced_there():
+  """``a @ b`` contracts a sharded dim and is invariant: it runs before the loop, partial, and is
+  reduced there once (the sum does not flow into the body to be reduced every trip)."""
+  def fn(c, a, b):
+    return lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h * (a @ b)), c)
+
+  plan = assert_partitioned_matches(fn, (randn(8, 8), randn(8, 16, seed=1), randn(16, 8, seed=2)),
+                                    (P(), P(None, "x"), P("x", None)), "x8", rtol=1e-4, atol=1e-4)
+  assert [(c.kind, c.trips) for c in plan.collectives] == [("all-reduce", 1)], plan.explain()
+
+
 def test_nested_loops_hoist_out_of_every_loop():
-  """w is invariant in the inner loop and in the outer one: its gather runs once per call."""
+  """w is invariant in the inner loop and in the outer one: its gather runs once per call;
+  ``sin(h)`` of the outer carry is invariant in the inner loop only: it runs in the outer body."""
   def fn(x, w):
     def outer(h, _):
-      return lax.fori_loop(0, 3, lambda i, g: jnp.tanh(g @ w) + 0.1 * i, h), None
+      return lax.fori_loop(0, 3, lambda i, g: jnp.tanh(g @ w) + jnp.sin(h) * i, h), None
 
     return lax.scan(outer, x, None, length=4)[0]
 
@@ -59,6 +85,7 @@ def test_nested_loops_hoist_out_of_every_loop():
                                     MESH, rtol=1e-4, atol=1e-4)
   assert [(c.kind, c.trips) for c in _of_w(plan)] == [("all-gather", 1)], plan.explain()
   assert {c.trips for c in plan.collectives if c.shape != W_SHAPE} == {12}, plan.explain()
+  assert [r.depth for r in plan.rows if r.primitive == "sin"] == [1], plan.explain()
 
 
 def test_invariant_read_in_a_while_body_of_unknown_trips():

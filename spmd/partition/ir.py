@@ -256,6 +256,55 @@ def _only_case(op: Op) -> Value | None:
   return first if isinstance(first, Value) and all(c is first for c in op.inputs[2:]) else None
 
 
+def _hoist_invariants(ops: list[Op]) -> list[Op]:
+  """Loop-invariant code motion, as XLA does it: ``ops`` with their loops' bodies reading the
+  loop's operand itself where they read one of its consts (the same value on every trip), and
+  every body op that reads only such values (and literals) and is pure (``cse_key``) moved
+  before the loop; innermost loops first, so an op leaves every loop it is invariant in. A
+  while loop's condition and cond branches keep theirs (a branch runs at most once). The
+  schedule reshards a value read from outside before the loop (schedule.py)."""
+  out: list[Op] = []
+  for op in ops:
+    for region in op.regions:
+      region.ops = _hoist_invariants(region.ops)
+    info = describe(op.eqn.primitive)
+    if info is None or info.control is None:
+      out.append(op)
+      continue
+    bodies: dict[int, dict[Value, Atom]] = {}
+    for inv in info.control.invariants(op):
+      bodies.setdefault(inv.region, {})[op.regions[inv.region].inputs[inv.input]] = (
+          op.inputs[inv.operand])
+    for r, outside in bodies.items():
+      body = op.regions[r]
+      _substitute(body.ops, outside)
+      kept = []
+      inside = set(body.inputs)
+      for inner in body.ops:
+        if _movable(inner, inside):
+          out.append(inner)
+        else:
+          inside.update(inner.outputs)
+          kept.append(inner)
+      body.ops = kept
+    out.append(op)
+  return out
+
+
+def _substitute(ops: list[Op], names: dict[Value, Atom]) -> None:
+  """Every op of ``ops`` and of their regions reads ``names[v]`` where it read ``v``."""
+  for op in ops:
+    op.inputs = tuple(names.get(a, a) if isinstance(a, Value) else a for a in op.inputs)
+    for region in op.regions:
+      _substitute(region.ops, names)
+
+
+def _movable(op: Op, inside: set[Value]) -> bool:
+  """Pure, reading at least one value and none defined ``inside`` the body."""
+  values = [a for a in op.inputs if isinstance(a, Value)]
+  return bool(values) and not inside.intersection(values) and cse_key(op) is not None
+
+
 def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
   """What makes two ops one computation: primitive, params and inputs (``name`` maps a value to
   the value it equals); None for ops never merged (control flow, effects, stateful primitives)."""
@@ -300,12 +349,13 @@ def _literal_key(val: Any) -> Any:
 
 def build_program(closed: jcore.ClosedJaxpr) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged, rolls
-  made one op, dead ops dropped, ops numbered depth-first."""
+  made one op, dead ops dropped, loop invariants read from outside their loops, ops numbered
+  depth-first."""
   builder = _Builder()
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
   fuse_rolls(ops)
-  program = Program(top.inputs, _prune(ops, outputs), outputs, ())
+  program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
   program.consts = tuple(builder.consts)

@@ -2,12 +2,13 @@
 
 The local program replays the schedule: before each op the scheduled reshards run as explicit
 collectives (psum, psum_scatter, all_gather, all_to_all, ppermute) or local slices; each op runs
-on local shards (spmd/partition/local.py); scan / while / cond run with partitioned bodies (a
-loop's invariant reshards made before it, their results read in the body).
+on local shards (spmd/partition/local.py); scan / while / cond run with partitioned bodies, which
+read the loop invariants made before them (ir.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections import ChainMap
+from typing import Any, Callable, MutableMapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from spmd.partition.reshard import pad_to
 from spmd.partition.schedule import RegionSchedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
 
-Env = dict[tuple[Value, TensorSharding], Any]
+Env = MutableMapping[tuple[Value, TensorSharding], Any]
 
 
 def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
@@ -68,7 +69,7 @@ class _Interpreter:
   def __init__(self, analysis: Analysis, mesh: MeshShape):
     self.analysis, self.mesh = analysis, mesh
     self.aliases = analysis.schedule.aliases  # an annotation's result is its operand
-    self.hoisted: dict[RegionSchedule, list] = {}  # forms made before a loop, while it is traced
+    self.outer: dict[RegionSchedule, Env] = {}  # while a region is traced: the env around it
 
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
@@ -106,11 +107,10 @@ class _Interpreter:
         continue  # an annotation or a repeated op (cse.py): nothing to run
       args = [self.read(env, x, r) for x, r in zip(s.op.inputs, s.reads)]
       if s.regions:
-        for r in s.regions:
-          self.hoisted[r] = [self.read(env, s.op.inputs[h.operand], h.form) for h in r.hoisted]
+        self.outer.update((r, env) for r in s.regions)
         outs = describe(s.op.eqn.primitive).control.lower(self, s, args)
         for r in s.regions:  # the bodies are traced: keep no tracer past them
-          del self.hoisted[r]
+          del self.outer[r]
       else:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
@@ -120,8 +120,9 @@ class _Interpreter:
         env[(v, w)] = out
 
   def region(self, r: RegionSchedule, region: Any, args: Sequence[Any]) -> list:
-    env: Env = {(v, s): a for v, s, a in zip(region.inputs, r.inputs, args)}
-    env.update({(region.inputs[h.input], h.form): x for h, x in zip(r.hoisted, self.hoisted[r])})
+    """A region reads values defined around it (loop invariants, ir.py) from the env there."""
+    env: Env = ChainMap({(v, s): a for v, s, a in zip(region.inputs, r.inputs, args)},
+                        self.outer[r])
     self.ops(r.ops, env)
     self.transfers(r.exit, env)
     return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]

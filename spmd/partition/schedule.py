@@ -7,9 +7,9 @@ reduced once however many ops read it. A pending partial sum flows through ops t
 it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot followed by
 an add of another partial sum needs one psum, not two; a psum whose consumer shards the summed
 axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the output.
-A reshard of a loop-invariant body input (one of the loop's consts) runs once, before the loop, on
-the loop's operand, and its result is passed in (as XLA's loop-invariant code motion does): two
-loops reading one weight in one form reshard it once.
+A loop body reads its invariants from outside (ir.py): a reshard of a value defined outside the
+region being scheduled runs where the value is, before the loop (as XLA's loop-invariant code
+motion moves it), so it runs once, and two loops reading one weight in one form share it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
-from spmd.partition.rules.control import Invariant
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
 
@@ -55,22 +54,12 @@ class Transfer:
   reader: Op | None = None  # hoisted out of a loop: the body op whose slot it fills (else None)
 
 
-@dataclass(frozen=True)
-class Hoisted:
-  """A form of a loop-invariant region input made before the loop, from the op's operand."""
-
-  input: int
-  operand: int
-  form: TensorSharding
-
-
 @dataclass(eq=False)
 class RegionSchedule:
   inputs: tuple[TensorSharding, ...]             # forms the region's inputs arrive in
   ops: list[ScheduledOp]
   exit: list[Transfer]                           # run at the end of the region
   outputs: tuple[TensorSharding, ...]            # forms of the outputs handed back
-  hoisted: tuple[Hoisted, ...] = ()              # further forms of invariant inputs passed in
 
 
 @dataclass(eq=False)
@@ -108,11 +97,12 @@ class _Scheduler:
     self.by_op: dict[int, list[Constraint]] = {}
     for c in constraints:
       self.by_op.setdefault(c.op.index, []).append(c)
-    self.partial_ok = _partial_ok(program, self.by_op, duplicates)
+    self.scopes = _scopes(program)  # how deep in regions each value is defined
+    self.partial_ok = _partial_ok(program, self.by_op, duplicates, self.scopes)
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
-    self.invariants: dict[Value, _Invariant] = {}  # a loop body's invariant input -> its loop
+    self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
 
   # --- forms ------------------------------------------------------------------------------------
@@ -133,19 +123,17 @@ class _Scheduler:
     return sum(s.bytes for s in self._best(v, dst)[1])
 
   def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot,
-              reader: Op | None = None, hoisted: bool = False) -> None:
-    """Makes ``v`` available as ``dst`` (``slot`` of ``reader``): a loop-invariant body input
-    is resharded before its loop (and so on out of every loop it is invariant in)."""
+              reader: Op | None = None) -> None:
+    """Makes ``v`` available as ``dst`` (``slot`` of ``reader``); a value read from outside the
+    regions being scheduled (a loop invariant, ir.py) is resharded where it is defined, before
+    the op holding those regions."""
     if dst in self.forms[v]:
       return
-    loop = self.invariants.get(self.aliases.get(v, v))
-    if loop is not None:
-      self.acquire(loop.operand, dst, loop.transfers, slot, reader, hoisted=True)
-      loop.hoisted.append(Hoisted(loop.invariant.input, loop.invariant.operand, dst))
-      self.forms[v].append(dst)
-      return
+    depth = self.scopes.get(self.aliases.get(v, v), 0)
+    hoisted = depth < len(self.enclosing)
     src, steps = self._best(v, dst)
-    out.append(Transfer(v, src, dst, steps, slot, reader if hoisted else None))
+    (self.enclosing[depth] if hoisted else out).append(
+        Transfer(v, src, dst, steps, slot, reader if hoisted else None))
     for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
       if form not in self.forms[v]:
         self.forms[v].append(form)
@@ -260,12 +248,7 @@ class _Scheduler:
       if isinstance(x, Value):
         reads[k] = need or self.shardings[x]
         self.acquire(x, reads[k], transfers, Slot("operand", k), op)
-    hoisted: list[list[Hoisted]] = [[] for _ in op.regions]
-    for inv in describe(op.eqn.primitive).control.invariants(op):
-      x = op.inputs[inv.operand]
-      if isinstance(x, Value):
-        self.invariants[op.regions[inv.region].inputs[inv.input]] = _Invariant(
-            x, inv, transfers, hoisted[inv.region])
+    self.enclosing.append(transfers)
     regions = []
     for r, region in enumerate(op.regions):
       arrive = tuple(s or self.shardings[v] for s, v in zip(inputs[r], region.inputs))
@@ -277,40 +260,41 @@ class _Scheduler:
         if isinstance(x, Value):
           self.acquire(x, need, exit_transfers, Slot("region output", j, r))
         leave.append(need)
-      regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave), tuple(hoisted[r])))
+      regions.append(RegionSchedule(arrive, ops, exit_transfers, tuple(leave)))
+    self.enclosing.pop()
     final = tuple(w or self.shardings[v] for w, v in zip(writes, op.outputs))
     for v, w in zip(op.outputs, final):
       self.forms[v] = [w]
     return ScheduledOp(op, transfers, tuple(reads), final, None, tuple(regions))
 
 
-@dataclass(frozen=True)
-class _Invariant:
-  """Where a loop-invariant body input's reshards go: the loop's ``operand`` is resharded among
-  the loop's ``transfers``, and the form is passed in (``hoisted``, the body's list)."""
-
-  operand: Value
-  invariant: Invariant
-  transfers: list[Transfer]
-  hoisted: list[Hoisted]
+def _scopes(program: Program) -> dict[Value, int]:
+  """The depth of the region each value is defined in (0: the program's own; its inputs and
+  constants are left out)."""
+  depths: dict[Value, int] = {}
+  for op, depth in depth_first(program.ops):
+    depths.update((v, depth) for v in op.outputs)
+    depths.update((v, depth + 1) for region in op.regions for v in region.inputs)
+  return depths
 
 
 def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
-                duplicates: Mapping[Op, Op]) -> dict[Value, bool]:
+                duplicates: Mapping[Op, Op], scopes: Mapping[Value, int]) -> dict[Value, bool]:
   """Values read once, by an op that can take a pending partial sum: only there does letting the
   sum flow save a reduction (a second reader would reduce it again, or anyway). A repeated op
-  (cse.py) reads nothing, and its readers read the earlier op's results."""
+  (cse.py) reads nothing, and its readers read the earlier op's results. A value read inside a
+  loop from outside (a loop invariant) is reduced before the loop, not in every trip."""
   names = {v: earlier for dup, first in duplicates.items()
            for v, earlier in zip(dup.outputs, first.outputs)}
   ok: dict[Value, bool] = {}
-  for op in program.all_ops():
+  for op, depth in depth_first(program.ops):
     if op in duplicates:
       continue
     linear = by_op[op.index][0].rule.linear_in if not op.regions else ()
     for k, x in enumerate(op.inputs):
       if isinstance(x, Value):
         x = names.get(x, x)
-        ok[x] = x not in ok and k in linear
+        ok[x] = x not in ok and k in linear and scopes.get(x, 0) == depth
     for region in op.regions:
       for x in region.outputs:
         if isinstance(x, Value):

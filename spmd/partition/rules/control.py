@@ -38,8 +38,7 @@ def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
 @dataclass(frozen=True)
 class Invariant:
   """A loop body's input that holds the same value on every trip (one of the loop's consts),
-  and the op's operand it is: a reshard of it runs once, before the loop, as XLA's
-  loop-invariant code motion moves it."""
+  and the op's operand it is: the body reads the operand itself (ir.py)."""
 
   region: int
   input: int
