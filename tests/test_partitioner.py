@@ -126,6 +126,26 @@ def test_einsum_runs_on_its_operands_shards_when_resharding_its_result_is_cheape
       ("all-to-all", ("model",), result)]
 
 
+def test_projections_of_one_stream_share_its_gather(mesh):
+  """Sequence parallelism's attention input: q, k and v projected from one stream split along the
+  sequence, each pinned split by heads. One projection alone is cheaper run on its sequence
+  shards (gather its kernel, all-to-all its result: 640 B against 1 KiB for the stream), but the
+  stream gathered once serves all three (as in XLA's program)."""
+  heads = P("data", None, "model", None)
+
+  def f(x, wq, wk, wv):
+    return tuple(spmd.annotate(jnp.einsum("bse,ehd->bshd", x, w), heads) for w in (wq, wk, wv))
+
+  x = jnp.linspace(-1, 1, 2 * 16 * 16).reshape(2, 16, 16)
+  ws = [jnp.linspace(-1, 1, 16 * 4 * 2).reshape(16, 4, 2) * k for k in (1, 2, 3)]
+  specs = (P("data", "model", None),) + (P(None, "model", None),) * 3
+  plan = assert_partitioned_matches(f, (x, *ws), specs, mesh, out_specs=(heads,) * 3, rtol=TOL,
+                                    atol=TOL)
+  stream = 16 * 16 * 4  # per device: this batch row's whole sequence
+  assert [(c.kind, c.axes, c.bytes) for c in plan.collectives] == [
+      ("all-gather", ("model",), stream)]
+
+
 @pytest.mark.parametrize("spec", [P("data", "model"), P(("model", "data"), None), P(None, "data")])
 def test_random_numbers_are_bit_identical(mesh, spec):
   def f(key):

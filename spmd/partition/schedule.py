@@ -3,21 +3,25 @@ of each value an op reads, and which forms it writes.
 
 A value can exist in several forms at once (produced partial, then reduced, then sliced): a
 consumer reuses an existing form or reshards from the cheapest one, so a value is gathered or
-reduced once however many ops read it. A pending partial sum flows through ops that are linear in
-it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot followed by
-an add of another partial sum needs one psum, not two; a psum whose consumer shards the summed
-axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the output.
-A loop body reads its invariants from outside (ir.py): a reshard of a value defined outside the
-region being scheduled runs where the value is, before the loop (as XLA's loop-invariant code
-motion moves it), so it runs once, and two loops reading one weight in one form share it.
+reduced once however many ops read it; choosing how an op runs, a reshard of an operand that
+later ops of the same kind also read (the q, k and v projections of one stream) is priced at its
+share, since the form it makes serves them all. A pending partial sum flows through ops that are
+linear in it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot
+followed by an add of another partial sum needs one psum, not two; a psum whose consumer shards
+the summed axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the
+output. A loop body reads its invariants from outside (ir.py): a reshard of a value defined
+outside the region being scheduled runs where the value is, before the loop (as XLA's
+loop-invariant code motion moves it), so it runs once, and two loops reading one weight in one
+form share it.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Hashable, Mapping
 
-from spmd.partition.execution import Execution, plan_execution
+from spmd.partition.execution import Execution, Price, plan_execution
 from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
@@ -104,6 +108,7 @@ class _Scheduler:
     self.halo_pieces: set[tuple] = set()
     self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
+    self.readers = _readers(program, shardings, duplicates)
 
   # --- forms ------------------------------------------------------------------------------------
 
@@ -121,6 +126,18 @@ class _Scheduler:
     if dst in self.forms.get(v, ()):
       return 0
     return sum(s.bytes for s in self._best(v, dst)[1])
+
+  def shared_price(self, op: Op) -> Price:
+    """``price`` for choosing how ``op`` runs: a reshard of an operand is split evenly between
+    ``op`` and the later ops of its kind that read the value at the same position (they face the
+    same choice, so they read the form it makes, and a form is made once)."""
+    kind = _kind(op, self.shardings)
+    sharers: dict[Value, int] = {}
+    for k, x in enumerate(op.inputs):
+      if isinstance(x, Value) and kind is not None:
+        later = self.readers[x].get((k, kind), ())  # indices in program order
+        sharers[x] = max(sharers.get(x, 1), len(later) - bisect.bisect_left(later, op.index))
+    return lambda v, dst: self.price(v, dst) // sharers.get(v, 1)
 
   def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot,
               reader: Op | None = None) -> None:
@@ -155,7 +172,7 @@ class _Scheduler:
     if info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
       return self.annotation(op)
     (c,) = constraints
-    ex = plan_execution(c, self.shardings, self.mesh, self.price, self.wire)
+    ex = plan_execution(c, self.shardings, self.mesh, self.shared_price(op), self.wire)
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:
@@ -303,6 +320,43 @@ def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
     if isinstance(x, Value):
       ok[names.get(x, x)] = False
   return ok
+
+
+def _kind(op: Op, shardings: Mapping[Value, TensorSharding]) -> Hashable | None:
+  """Primitive, params and the shardings of every operand and result: ops of one kind reading a
+  value at one position face the same choice, so they want one form of it (None: params that do
+  not compare)."""
+  try:
+    key = (op.primitive, tuple(sorted(op.params.items())),
+           tuple(shardings.get(x) if isinstance(x, Value) else None for x in op.inputs),
+           tuple(shardings.get(v) for v in op.outputs))
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+Readers = dict[tuple[int, Hashable], list[int]]
+
+
+def _readers(program: Program, shardings: Mapping[Value, TensorSharding],
+             duplicates: Mapping[Op, Op]) -> dict[Value, Readers]:
+  """Per value: the indices of the ops reading it, by (operand position, kind), in program
+  order. An annotation's result and a repeated op's (cse.py) are other names for the value they
+  name: all its names share one record."""
+  readers: dict[Value, Readers] = {}
+  for op in program.all_ops():
+    info = describe(op.eqn.primitive)
+    if op in duplicates:
+      for v, earlier in zip(op.outputs, duplicates[op].outputs):
+        readers[v] = readers.setdefault(earlier, {})
+    elif info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
+      readers[op.outputs[0]] = readers.setdefault(op.inputs[0], {})
+    elif (kind := _kind(op, shardings)) is not None:
+      for k, x in enumerate(op.inputs):
+        if isinstance(x, Value):
+          readers.setdefault(x, {}).setdefault((k, kind), []).append(op.index)
+  return readers
 
 
 def _place(v: Value | None, sharding: TensorSharding, outer, outer_slots: list, regions: list,
