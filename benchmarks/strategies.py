@@ -2,7 +2,7 @@
 MoE LM's (spmd.models.moe.RULES), ours side by side with ``jax.jit`` given the same shardings and
 the same rules for the model's logical constraints.
 
-    python benchmarks/strategies.py [--quick]
+    python benchmarks/strategies.py [--quick] [--runs N] [--only NAME ...]
 
 Per strategy, on a (data=2, model=4) mesh of 8 simulated CPU devices: collective bytes per device
 per step read from both compiled programs, median step time of interleaved runs, and the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -128,11 +129,16 @@ def measure(family: Family, name: str, config: Any, batch: int, seq: int, runs: 
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="smaller model, fewer timed runs")
+  parser.add_argument("--runs", type=int, help="timed runs of each program (default 5 quick, 20)")
+  parser.add_argument("--only", nargs="+", metavar="NAME", help="only these strategies")
   args = parser.parse_args(argv)
-  runs = 5 if args.quick else 20
+  runs = args.runs or (5 if args.quick else 20)
   for family in FAMILIES:
     config, batch, seq = family.sizes["quick" if args.quick else "full"]
-    rows = [measure(family, name, config, batch, seq, runs) for name in family.rules]
+    names = [name for name in family.rules if not args.only or name in args.only]
+    if not names:
+      continue
+    rows = [measure(family, name, config, batch, seq, runs) for name in names]
     print(f"\n## {family.name} training step per strategy (mesh {MESH}; {config}, batch {batch}, "
           f"seq {seq}; step time: median of {runs} interleaved runs)\n")
     print(run.table(("strategy", "ours B", "XLA B", "bytes ours/XLA", "ours ms", "XLA ms",
@@ -140,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                      "XLA compiled", "replicated", "why"), rows))
     ratios = [float(r[3]) for r in rows if r[3] != "-"]
     print(f"\nsummary: bytes ours/XLA geomean {run.geomean(ratios):.3f} (max "
-          f"{max(ratios):.3f}); time ours/XLA " + ", ".join(f"{r[0]} {r[6]}" for r in rows))
+          f"{max(ratios):.3f}); time ours/XLA " + ", ".join(f"{r[0]} {r[6]}" for r in rows)
+          + f"; load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
