@@ -225,8 +225,11 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
 def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[Atom, ...]]:
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
-  all one value is that value (XLA's simplifier folds it, and the predicate may then be dead)."""
+  all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
+  so is a chain of reshapes in effect that gives a value back its own shape (``sum(x[None], 0)``:
+  XLA's simplifier folds the chain to one reshape, then to nothing)."""
   alias: dict[Value, Value] = {}
+  relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
   seen: dict[tuple, Op] = {}
   kept: list[Op] = []
   sub = lambda a: alias.get(a, a) if isinstance(a, Value) else a  # noqa: E731
@@ -238,6 +241,13 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     if case is not None:
       alias[op.outputs[0]] = case
       continue
+    if _reshapes_in_effect(op):
+      source, result = op.inputs[0], op.outputs[0]
+      source = relaid.get(source, source)
+      if result.shape == source.shape and result.dtype == source.dtype:
+        alias[result] = source
+        continue
+      relaid[result] = source
     key = cse_key(op)
     if key is not None and key in seen:
       alias.update(zip(op.outputs, seen[key].outputs))
@@ -303,6 +313,23 @@ def _movable(op: Op, inside: set[Value]) -> bool:
   """Pure, reading at least one value and none defined ``inside`` the body."""
   values = [a for a in op.inputs if isinstance(a, Value)]
   return bool(values) and not inside.intersection(values) and cse_key(op) is not None
+
+
+_SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+
+
+def _reshapes_in_effect(op: Op) -> bool:
+  """Whether ``op`` keeps its operand's elements in their row-major order and only re-lays them
+  in another shape: a reshape, a squeeze, a broadcast adding size-1 dims, a reduction over size-1
+  dims (XLA's simplifier makes each of them a reshape)."""
+  if not op.inputs or not isinstance(op.inputs[0], Value) or len(op.outputs) != 1:
+    return False
+  source, result = op.inputs[0], op.outputs[0]
+  if result.size != source.size or result.dtype != source.dtype:
+    return False
+  if op.primitive == "reshape":
+    return op.params.get("dimensions") is None
+  return op.primitive in ("squeeze", "broadcast_in_dim", *_SIZE_ONE_REDUCTIONS)
 
 
 def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
