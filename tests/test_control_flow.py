@@ -72,6 +72,19 @@ def test_a_partial_sum_computed_before_the_loop_is_reduced_there():
   assert [(c.kind, c.trips) for c in plan.collectives] == [("all-reduce", 1)], plan.explain()
 
 
+def test_a_hoisted_gather_of_a_whole_dim_is_still_reported():
+  """A sort in the body needs dim 0 of both its operands whole: the invariant keys are gathered
+  before the loop, the carry in every trip, and the plan warns about both."""
+  def fn(x, w):
+    return lax.fori_loop(0, 3, lambda i, h: lax.sort((w, h), dimension=0, num_keys=1)[1] * 2, x)
+
+  plan = assert_partitioned_matches(fn, (randn(8, 16), randn(8, 16, seed=1)), (P("x"), P("x")),
+                                    "x8")
+  assert sorted(c.trips for c in plan.collectives if c.kind == "all-gather") == [1, 3]
+  whole = [w for w in plan.warnings if "needs dim 0 of operand" in w]
+  assert len(whole) == 2, plan.warnings
+
+
 def test_nested_loops_hoist_out_of_every_loop():
   """w is invariant in the inner loop and in the outer one: its gather runs once per call;
   ``sin(h)`` of the outer carry is invariant in the inner loop only: it runs in the outer body."""

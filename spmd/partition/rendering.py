@@ -35,10 +35,13 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   annotations = {op.outputs[0]: op for op in program.all_ops()
                  if op.outputs and op.outputs[0] in sched.aliases and op not in sched.duplicates}
   by_op: dict[int, list[Collective]] = {}
+  hoisted: dict[Op, list[Transfer]] = {}  # a loop body op -> its reshards run before the loop
   for s in sched.walk():
     outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
     by_op.setdefault(s.op.index, [])
     for t in s.transfers:
+      if t.reader is not None:
+        hoisted.setdefault(t.reader, []).append(t)
       owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
       by_op.setdefault(owner.index, []).extend(
           _collective(step, owner, t, outer) for step in t.steps if step.communicates)
@@ -46,7 +49,8 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
                           for step in t.steps if step.communicates]
     by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
     if s.execution is not None and s.op not in prop.unsupported:
-      warnings.extend(_whole_dim_warnings(s, prop.shardings))
+      warnings.extend(_whole_dim_warnings(s, [*s.transfers, *hoisted.get(s.op, ())],
+                                          prop.shardings))
   for op in program.all_ops():
     if op.index in by_op and any(c.trips is None for c in by_op[op.index]):
       warnings.append(f"op {op.index} ({op.primitive} at {op.source}) communicates inside a while "
@@ -154,11 +158,12 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
                                  tuple(hop.pairs)))
 
 
-def _whole_dim_warnings(s: ScheduledOp, shardings: dict) -> list[str]:
-  """An op that needs a sharded dim whole (sort axis, windowed dim without halo)."""
+def _whole_dim_warnings(s: ScheduledOp, transfers: list[Transfer], shardings: dict) -> list[str]:
+  """An op that needs a sharded dim whole (sort axis, windowed dim without halo); ``transfers``:
+  its operands' reshards, those run before its loop included."""
   rule, op = s.execution.constraint.rule, s.op
   out = []
-  for t in s.transfers:
+  for t in transfers:
     k = t.slot.index
     tf = rule.operands[k]
     for step in t.steps:
