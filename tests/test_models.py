@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import assert_trees_match
+from helpers import assert_plan_is_hlo, assert_trees_match
 from spmd.hlo import collective_bytes
 from spmd.models import mlp, transformer
 from spmd.train import create_train_state, init_module, make_train_step
@@ -62,17 +62,26 @@ def _unpartitioned_state(init: Callable, tx: optax.GradientTransformation
   return lambda key: TrainState.create(apply_fn=None, params=nn.unbox(init(key)), tx=tx)
 
 
+def _partitioned_step(config: transformer.Config, strategy: str
+                      ) -> tuple[spmd.Partitioned, TrainState]:
+  """The training step partitioned by ``strategy``'s rules (state donated) and the sharded train
+  state it takes."""
+  mesh, rules = _mesh(), transformer.RULES[strategy]
+  init, tx, step = _training(config)
+  state, specs = create_train_state(init, tx, mesh, jax.random.key(0), rules=rules)
+  partitioned = spmd.partition(step, mesh=mesh, rules=rules, donate_argnums=0,
+                               in_specs=(specs, P("act_batch", None)), out_specs=(specs, P()))
+  return partitioned, state
+
+
 def _run_transformer(config: transformer.Config, strategy: str) -> spmd.Plan:
   """Creates the sharded train state, runs STEPS partitioned steps (state donated) beside the
   unpartitioned ones, compares everything, and returns the step's plan."""
-  mesh, rules = _mesh(), transformer.RULES[strategy]
   tokens = [_tokens(config, seed) for seed in range(STEPS)]
   init, tx, step = _training(config)
-  state, specs = create_train_state(init, tx, mesh, jax.random.key(0), rules=rules)
+  partitioned, state = _partitioned_step(config, strategy)
   want = jax.jit(_unpartitioned_state(init, tx))(jax.random.key(0))
   assert_trees_match(state, want, rtol=0, atol=0)  # the partitioned init draws the same values
-  partitioned = spmd.partition(step, mesh=mesh, rules=rules, donate_argnums=0,
-                               in_specs=(specs, P("act_batch", None)), out_specs=(specs, P()))
   plan = partitioned.plan(state, tokens[0])
   assert not [w for w in plan.warnings if "replicated" in w], plan.warnings
   reference = jax.jit(step)
@@ -117,6 +126,16 @@ def _param_bytes(config: transformer.Config, shards: dict[str, int]) -> int:
 
 
 ACTIVATION = BATCH // MESH["data"] * SEQ * TINY.d_model * 4  # one [batch/data, seq, embed] f32
+
+
+@pytest.mark.parametrize("strategy", sorted(transformer.RULES))
+def test_plan_is_the_compiled_step(strategy):
+  """Every strategy's plan moves what its compiled training step moves, per kind of collective
+  (sp's loss gradient is a constant XLA folds: fold.py folds it too)."""
+  partitioned, state = _partitioned_step(TINY, strategy)
+  tokens = _tokens(TINY)
+  assert_plan_is_hlo(partitioned.plan(state, tokens),
+                     partitioned.lower(state, tokens).compile().as_text())
 
 
 def test_data_parallel_all_reduces_each_gradient_once():

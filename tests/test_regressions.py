@@ -196,7 +196,6 @@ def test_select_between_one_value_is_that_value():
   assert [c.kind for c in plan.collectives] == ["all-gather"]
 
 
-
 def test_reshapes_back_to_a_values_shape_are_that_value():
   """``sum(expand_dims(v, 0), 0)`` is ``v``: XLA's simplifier folds the chain to nothing, so the
   output's gather of it and the annotation's gather of ``v`` are one: HLO 16 B, plan 32 B. A chain
@@ -210,3 +209,18 @@ def test_reshapes_back_to_a_values_shape_are_that_value():
   x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (4,), dtype=np.int32))
   plan = assert_partitioned_matches(f, (x0,), (P("b"),), "a2b4")
   assert [c.kind for c in plan.collectives] == ["collective-permute", "all-gather"]
+
+
+def test_constants_are_folded():
+  """``exp`` of a constant annotated ``P('a', 'b')`` ran on those shards and was all-gathered
+  over 'b' to be concatenated along dim 1 into a ``P('a', None)`` result; XLA folds the constant
+  and drops the all-gather (a broadcast of one value, gathered, is that broadcast): HLO 0 B, plan
+  256 B. Ops computing only from constants are now folded when the program is built (fold.py),
+  so any block of their result is a local slice. (Found in the sequence-parallel Transformer's
+  loss gradient: -1/tokens per token, scattered into the label logits.)"""
+  def f(x):
+    return jnp.concatenate([x, jnp.exp(spmd.annotate(jnp.full((8, 16), 0.5), P("a", "b")))], 1)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+  plan = assert_partitioned_matches(f, (x,), (P("a", None),), "a2b4", P("a", None))
+  assert not plan.collectives

@@ -18,6 +18,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.partition.fold import fold_constants
 from spmd.partition.jax_compat import open_jaxpr
 from spmd.partition.primitives import SHARDING_PARAMS, describe
 from spmd.partition.roll import fuse_rolls
@@ -32,7 +33,7 @@ class Value:
   """One array of the program (its aval is global: no sharding is baked in)."""
 
   aval: Any
-  const: Any = None  # the array, for closed-over constants
+  const: Any = None  # a closed-over constant's array, or a folded value's fold.Folded
   id: int = field(default_factory=lambda: next(_ids))
 
   @functools.cached_property
@@ -375,15 +376,16 @@ def _literal_key(val: Any) -> Any:
 
 
 def build_program(closed: jcore.ClosedJaxpr) -> Program:
-  """Builds the program of a traced function: calls inlined, common subexpressions merged, rolls
-  made one op, dead ops dropped, loop invariants read from outside their loops, ops numbered
-  depth-first."""
+  """Builds the program of a traced function: calls inlined, common subexpressions merged,
+  constants folded, rolls made one op, dead ops dropped, loop invariants read from outside their
+  loops, ops numbered depth-first."""
   builder = _Builder()
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
+  ops, folded = fold_constants(ops)
   fuse_rolls(ops)
   program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
-  program.consts = tuple(builder.consts)
+  program.consts = (*builder.consts, *folded)
   return program

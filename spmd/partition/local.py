@@ -21,7 +21,7 @@ from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Rotation, geometry
 from spmd.partition.ir import Op, Value
-from spmd.partition.primitives import bind, describe
+from spmd.partition.primitives import bind, describe, operands
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -70,11 +70,6 @@ class Local:
 def run_local(local: Local, args: list) -> list:
   info = describe(local.op.eqn.primitive)
   return info.local(local, args) if info and info.local else bind(local.op, args)
-
-
-def operands(local: Local, args: list) -> list:
-  """The identity: results are the operands (annotations, device_put)."""
-  return args[:len(local.op.outputs)]
 
 
 def broadcast_in_dim(local: Local, args: list) -> list:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from spmd.partition.fold import const_arrays
 from spmd.partition.ir import Atom, Literal, Value
 from spmd.partition.local import Local, run_local
 from spmd.partition.primitives import describe
@@ -74,8 +75,8 @@ class _Interpreter:
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
     env: Env = {(v, s): a for v, s, a in zip(program.inputs, sched.inputs, args)}
-    for c in program.consts:
-      env[(c, TensorSharding.replicated(len(c.shape)))] = c.const
+    for c, array in const_arrays(program.consts).items():
+      env[(c, TensorSharding.replicated(len(c.shape)))] = array
     self.transfers(sched.entry, env)
     self.ops(sched.ops, env)
     self.transfers(sched.exit, env)

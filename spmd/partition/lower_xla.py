@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from spmd.partition.fold import const_arrays
 from spmd.partition.ir import Atom, Literal, Op, Value
 from spmd.partition.planner import Analysis
 from spmd.partition.primitives import bind, describe
@@ -33,7 +34,7 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
         env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
 
   def body(*flat_args: Any) -> tuple[Any, ...]:
-    env: dict[Value, Any] = {c: c.const for c in program.consts}
+    env: dict[Value, Any] = const_arrays(program.consts)
     env.update(zip(program.inputs, flat_args))
     run(program.ops, env)
     return tuple(_read(env, x) for x in program.outputs)

@@ -93,6 +93,12 @@ def bind(op: "Op", args: list, **overrides: Any) -> list:
   return list(out) if op.eqn.primitive.multiple_results else [out]
 
 
+def operands(local: Any, args: list) -> list:
+  """The local lowering of an identity (annotations, reshard, device_put): results are the
+  operands."""
+  return args[:len(local.op.outputs)]
+
+
 def replicated_rule(op: "Op") -> OpShardingRule:
   """Every dim of every tensor replicated: correct for any primitive, never fast."""
   b = RuleBuilder()

@@ -1,0 +1,104 @@
+"""Constant folding: an op computing only from constants is taken out of the program's ops and its
+results become constants of the program, as XLA's constant folding does when it compiles. A
+constant is held whole by every device, so any block of it is a local slice: a value XLA folds
+never costs a collective (XLA drops one on a folded value: an all-gather of a constant whose
+elements are all equal becomes a broadcast). A folded value is computed whole on every device
+where the program is lowered (``const_arrays``), which XLA folds; nothing runs when planning.
+
+As in XLA, broadcasts stay ops (cheap to make, large to hold) yet count as constants for the ops
+reading them, iotas are not constants, and nothing larger than XLA's bound is folded. An
+identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
+and its result counts as a constant too.
+Only the top-level program is folded; region bodies are left as they are.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import jax
+import numpy as np
+
+from spmd.partition.primitives import bind, describe, operands
+
+if TYPE_CHECKING:
+  from spmd.partition.ir import Op, Value
+
+# XLA's bound (hlo_constant_folding.cc): neither the result nor its operands together may hold
+# more elements.
+MAX_ELEMENTS = 45_000_000
+_KEPT = ("broadcast_in_dim",)  # constant when its operand is, never folded itself
+
+
+@dataclass(frozen=True, eq=False)
+class Folded:
+  """The ``const`` of a folded value: the op making each constant value of the program that an
+  op makes (the folded ones, and the broadcasts and identities they read)."""
+
+  makers: Mapping[Value, Op]
+
+
+def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
+  """The ops left once every foldable op is folded, and the values they made constants (each
+  ``const`` a ``Folded``)."""
+  makers: dict[Value, Op] = {}  # constant values that ops of the program make
+  kept: list[Op] = []
+  folded: list[Value] = []
+  for op in ops:
+    if not all(not hasattr(x, "id") or x.const is not None or x in makers for x in op.inputs):
+      kept.append(op)
+      continue
+    if op.primitive in _KEPT or _is_identity(op):
+      makers.update((v, op) for v in op.outputs)
+      kept.append(op)
+      continue
+    if not _foldable(op):
+      kept.append(op)
+      continue
+    makers.update((v, op) for v in op.outputs)
+    for v in op.outputs:
+      v.const = Folded(makers)
+      folded.append(v)
+  return kept, folded
+
+
+def _is_identity(op: Op) -> bool:
+  """An annotation, or another op whose results are its operands (reshard, device_put)."""
+  info = describe(op.eqn.primitive)
+  return info is not None and (info.annotation is not None or info.local is operands)
+
+
+def _foldable(op: Op) -> bool:
+  """Pure, without regions, not an iota (XLA keeps iotas), results of plain dtypes, and within
+  XLA's bound."""
+  info = describe(op.eqn.primitive)
+  if (op.regions or op.eqn.effects or op.primitive == "iota"
+      or (info is not None and info.stateful)):
+    return False
+  avals = [x.aval for x in (*op.inputs, *op.outputs)]
+  if any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in avals):
+    return False
+  operands = sum(math.prod(x.aval.shape) for x in op.inputs)
+  return max([operands, *(v.size for v in op.outputs)]) <= MAX_ELEMENTS
+
+
+def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
+  """Every program constant's whole array: a closed-over constant's own, a folded value computed
+  from its op (traced where the program is lowered; XLA folds it)."""
+  env: dict[Value, Any] = {}
+
+  def read(x: Any, makers: Mapping[Value, Op]) -> Any:
+    if not hasattr(x, "id"):
+      return np.asarray(x.val, dtype=x.aval.dtype)
+    if x not in env:
+      if x not in makers:
+        env[x] = x.const
+      else:
+        op = makers[x]
+        args = [read(a, makers) for a in op.inputs]
+        outs = args[:len(op.outputs)] if _is_identity(op) else bind(op, args)
+        env.update(zip(op.outputs, outs))
+    return env[x]
+
+  return {c: read(c, c.const.makers if isinstance(c.const, Folded) else {}) for c in consts}
