@@ -12,7 +12,7 @@ expert layout, instead of an all-to-all of the mask and an all-gather of the tok
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo,
@@ -25,6 +25,7 @@ from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
 
 Price = Callable[[Value, TensorSharding], int]  # bytes to make a value available as a sharding
+_Projected = dict[int, list[tuple[int, Axes]]]  # per factor: (tensor size, axes) of each tensor
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,46 @@ class Execution:
     return out
 
 
-def plan_execution(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
-                   price: Price, wire: Wire) -> Execution:
-  options = [_execute(c, axes, mesh) for axes in dict.fromkeys(
-      _factor_axes(c, shardings, mesh, first, operands_first)
-      for first, operands_first in (("reductions", False), ("others", False),
-                                    ("reductions", True), ("larger", True)))]
-  if len(options) == 1:
-    return options[0]
+class ExecutionPlanner:
+  """Plans each op's execution. The candidate executions of an op depend only on its rule and
+  its tensors' shapes, dtypes and shardings, which a model's layers repeat: they are computed once
+  per such key (with the bytes their results' reshards move); only the operands' prices, which
+  depend on the forms made so far, are taken per op."""
 
-  def cost(ex: Execution) -> int:
-    moved = sum(price(v, need) for v, need in zip(c.operands, ex.needs) if need is not None)
-    for v, made in zip(c.results, ex.produces):
-      if made is not None and made != shardings[v]:
-        moved += sum(s.bytes for s in plan_reshard(made, shardings[v], v.shape,
-                                                    wire(v.dtype), mesh))
-    return moved
+  def __init__(self, mesh: MeshShape, wire: Wire):
+    self.mesh, self.wire = mesh, wire
+    self._options: dict[tuple, list[tuple[Execution, int]]] = {}
 
-  return min(options, key=cost)  # the first of equally cheap options
+  def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
+           price: Price) -> Execution:
+    key = (c.rule,) + tuple(None if v is None else (v.shape, v.dtype, shardings[v])
+                            for v in c.tensors())
+    options = self._options.get(key)
+    if options is None:
+      options = self._options[key] = self._candidates(c, shardings)
+    if len(options) == 1:
+      best = options[0][0]
+    else:  # the first of equally cheap options
+      best = min(options, key=lambda o: o[1] + sum(
+          price(v, need) for v, need in zip(c.operands, o[0].needs) if need is not None))[0]
+    return best if best.constraint is c else replace(best, constraint=c)
+
+  def _candidates(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
+                  ) -> list[tuple[Execution, int]]:
+    """Each distinct execution, with the bytes that reshard its results to their shardings."""
+    from_results = _projections(c.results, c.rule.results, shardings, c.rule, self.mesh)
+    from_operands = _projections(c.operands, c.rule.operands, shardings, c.rule, self.mesh)
+    options = [_execute(c, axes, self.mesh) for axes in dict.fromkeys(
+        _factor_axes(c, from_results, from_operands, self.mesh, first, operands_first)
+        for first, operands_first in (("reductions", False), ("others", False),
+                                      ("reductions", True), ("larger", True)))]
+    if len(options) == 1:
+      return [(options[0], 0)]
+    return [(ex, sum(sum(s.bytes for s in plan_reshard(made, shardings[v], v.shape,
+                                                       self.wire(v.dtype), self.mesh))
+                     for v, made in zip(c.results, ex.produces)
+                     if made is not None and made != shardings[v]))
+            for ex in options]
 
 
 def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Execution:
@@ -106,16 +129,14 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
   return None if halo is None else (halo,)
 
 
-def _factor_axes(c: Constraint, shardings: Mapping[Value, TensorSharding], mesh: MeshShape,
-                 first: str, operands_first: bool) -> tuple[Axes, ...]:
+def _factor_axes(c: Constraint, from_results: _Projected, from_operands: _Projected,
+                 mesh: MeshShape, first: str, operands_first: bool) -> tuple[Axes, ...]:
   """Axes per factor: the results' (the operands' with ``operands_first``), else the operands';
   a mesh axis two factors want goes to the factors ``first`` names: the "reductions", the
   "others", or those of the "larger" operand (the smaller one is resharded: GSPMD's choice for a
   dot, and an embedding lookup's: its table keeps its split and the small indices are
   gathered)."""
   rule = c.rule
-  from_results = _projections(c.results, rule.results, shardings, rule, mesh)
-  from_operands = _projections(c.operands, rule.operands, shardings, rule, mesh)
   chosen: dict[int, Axes] = {}
   for f, kind in enumerate(rule.kinds):
     if kind in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
@@ -147,7 +168,7 @@ def _count(axes: Axes, mesh: MeshShape) -> int:
 
 
 def _projections(values, tensors, shardings, rule: OpShardingRule,
-                 mesh: MeshShape) -> dict[int, list[tuple[int, Axes]]]:
+                 mesh: MeshShape) -> _Projected:
   """Per factor: (tensor size, axes) from every tensor that has the factor."""
   out: dict[int, list[tuple[int, Axes]]] = {}
   for v, tf in zip(values, tensors):

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Hashable, Mapping
 
-from spmd.partition.execution import Execution, Price, plan_execution
+from spmd.partition.execution import Execution, ExecutionPlanner, Price
 from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.primitives import describe
@@ -109,6 +109,7 @@ class _Scheduler:
     self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
     self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
     self.readers = _readers(program, shardings, duplicates)
+    self.executions = ExecutionPlanner(mesh, wire)
 
   # --- forms ------------------------------------------------------------------------------------
 
@@ -172,7 +173,7 @@ class _Scheduler:
     if info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
       return self.annotation(op)
     (c,) = constraints
-    ex = plan_execution(c, self.shardings, self.mesh, self.shared_price(op), self.wire)
+    ex = self.executions.plan(c, self.shardings, self.shared_price(op))
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:
@@ -250,7 +251,7 @@ class _Scheduler:
   def control(self, op: Op, constraints: list[Constraint]) -> ScheduledOp:
     """Outer operands enter in the form their link needs; region outputs leave in the form their
     link needs (resharded inside the region); region inputs and results take the link's form."""
-    execs = [plan_execution(c, self.shardings, self.mesh, self.price, self.wire) for c in constraints]
+    execs = [self.executions.plan(c, self.shardings, self.price) for c in constraints]
     reads: list[TensorSharding | None] = [None] * len(op.inputs)
     writes: list[TensorSharding | None] = [None] * len(op.outputs)
     exits: list[list[TensorSharding | None]] = [[None] * len(r.outputs) for r in op.regions]
