@@ -5,7 +5,6 @@ whole nested program as one graph. Each ``Op`` keeps its jaxpr equation, so it c
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -35,15 +34,12 @@ class Value:
   aval: Any
   const: Any = None  # a closed-over constant's array, or a folded value's fold.Folded
   id: int = field(default_factory=lambda: next(_ids))
+  shape: tuple[int, ...] = field(init=False)
+  size: int = field(init=False)  # the number of elements
 
-  @functools.cached_property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(self.aval.shape)
-
-  @functools.cached_property
-  def size(self) -> int:
-    """The number of elements."""
-    return math.prod(self.shape)
+  def __post_init__(self) -> None:
+    self.shape = tuple(self.aval.shape)
+    self.size = math.prod(self.shape)
 
   @property
   def dtype(self) -> np.dtype:
@@ -339,7 +335,7 @@ def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | Non
   info = describe(op.eqn.primitive)
   if op.regions or op.eqn.effects or (info is not None and info.stateful):
     return None
-  inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", _literal_key(a.val), str(a.aval))
+  inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", literal_key(a.val), str(a.aval))
                  for a in op.inputs)
   params = _canonical_slice(op) if op.primitive == "slice" else dict(op.params)
   if info is None or info.annotation is None:
@@ -369,7 +365,7 @@ def _canonical_slice(op: Op) -> dict[str, Any]:
   return {"start_indices": starts, "limit_indices": limits, "strides": strides}
 
 
-def _literal_key(val: Any) -> Any:
+def literal_key(val: Any) -> Any:
   """A hashable stand-in for a literal's value (no repr: printing numpy values is slow)."""
   array = np.asarray(val)
   return (array.dtype.str, array.item()) if array.ndim == 0 else repr(val)

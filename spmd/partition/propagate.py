@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from spmd.partition.ir import Op, Program, Value
+from spmd.partition.ir import Op, Program, Value, literal_key
 from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -84,17 +84,37 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
   """One constraint per op (several links per control-flow op), and the ops without a rule."""
   out: list[Constraint] = []
   unsupported: list[Op] = []
+  rules: dict[tuple, OpShardingRule] = {}  # repeated layers repeat their ops' rules
   for op in program.all_ops():
     info = describe(op.eqn.primitive)
     if info is not None and info.control is not None:
       for link in info.control.links(op):
         out.append(Constraint(op, link.rule, _values(link.operands), _values(link.results)))
       continue
-    rule, info = rule_for(op)
     if info is None or info.rule is None:
       unsupported.append(op)
+    key = _rule_key(op)
+    rule = rules.get(key) if key is not None else None
+    if rule is None:
+      rule = rule_for(op)[0]
+      if key is not None:
+        rules[key] = rule
     out.append(Constraint(op, rule, _values(op.inputs), _values(op.outputs)))
   return out, unsupported
+
+
+def _rule_key(op: Op) -> tuple | None:
+  """What an op's rule depends on: its primitive, params, operands' avals (literals' values too)
+  and results' avals; None if a param cannot be hashed."""
+  key = (op.eqn.primitive, tuple(sorted(op.params.items())),
+         tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
+               for x in op.inputs),
+         tuple(v.aval for v in op.outputs))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 def _values(atoms: Iterable[object]) -> tuple[Value | None, ...]:
@@ -107,10 +127,21 @@ class _Candidate:
   closed: bool
   size: int
   pos: int
-  value: Value
+  part: int  # which of the constraint's tensors (its index in _Engine.parts)
 
   def priority(self) -> tuple:
     return (not self.closed, -self.size, self.pos)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+  """What applying a constraint does, by the positions of its tensors: it depends only on the
+  rule, the tensors' sizes, closed dims, which of them are one value, and their dims now. A
+  model's layers repeat those, so each outcome is computed once and replayed."""
+
+  deferred: bool  # a broadcast's smaller operand was left out (it donates at level 2)
+  conflicts: tuple[tuple[int, Axes, int, Axes, int], ...]  # factor, kept (part), dropped (part)
+  writes: tuple[tuple[int, int, Axes, int | None], ...]  # part, dim, its new axes, source part
 
 
 class _Engine:
@@ -133,6 +164,15 @@ class _Engine:
                         if v is not None and tf is not None) for c in constraints]
     self.largest = [max((v.size for v in c.tensors() if v is not None), default=0)
                     for c in constraints]
+    # Per constraint: the id of what its outcome depends on besides its tensors' dims.
+    kinds: dict[tuple, int] = {}
+    self.kind = [kinds.setdefault(
+        (id(c.rule), self.largest[i],  # constraints_for shares one rule among equal ops
+         tuple((pos, tf, size, self.closed.get(v, frozenset()),
+                next(k for k, p in enumerate(parts) if p[1] is v))
+               for pos, v, tf, size in parts)), len(kinds))
+        for i, (c, parts) in enumerate(zip(constraints, self.parts))]
+    self.outcomes: dict[tuple, _Outcome] = {}
     # A constraint reads only its tensors' dims: one none of whose tensors changed since its last
     # application would write nothing new, so it is skipped (the same fixed point, sooner).
     self.dirty = [True] * len(constraints)
@@ -165,29 +205,58 @@ class _Engine:
   def apply(self, i: int) -> bool:
     self.dirty[i] = False
     c, parts = self.constraints[i], self.parts[i]
-    rule = c.rule
+    dims = [self.dims_of(v) for _, v, _, _ in parts]
+    key = (self.kind[i], self.broadcasting, tuple(tuple(d) for d in dims))
+    outcome = self.outcomes.get(key)
+    if outcome is None:
+      outcome = self.outcomes[key] = self._outcome(c.rule, parts, self.largest[i],
+                                                   [list(d) for d in dims])
+    if outcome.deferred:
+      self.deferred.add(i)
+    for f, kept, kept_part, dropped, dropped_part in outcome.conflicts:
+      self.conflicts.setdefault((c.op.index, f, kept, dropped), Conflict(
+          c.op, kept, self.origins.get(parts[kept_part][1], DEFAULT), dropped,
+          self.origins.get(parts[dropped_part][1], DEFAULT)))
+    for part, d, axes, source in outcome.writes:
+      v = parts[part][1]
+      self.dims_of(v)[d] = axes
+      for j in self.readers[v]:
+        self.dirty[j] = True
+      if source is not None and parts[source][1] is not v:
+        self.origins[v] = Origin("propagated", via=c.op, source=parts[source][1])
+    return bool(outcome.writes)
+
+  def _outcome(self, rule: OpShardingRule, parts: tuple, largest: int,
+               dims: list[list[Axes]]) -> _Outcome:
+    """Applies ``rule`` to ``dims`` (each part's, changed in place; a value taking part twice
+    shares one list)."""
+    for k, (_, v, _, _) in enumerate(parts):
+      first = next(j for j, p in enumerate(parts) if p[1] is v)
+      dims[k] = dims[first]
     candidates: dict[int, list[_Candidate]] = {}
     defer = rule.pass_through and not self.broadcasting
-    for pos, v, tf, size in parts:
-      if defer and size < self.largest[i]:
-        self.deferred.add(i)
+    deferred = False
+    for part, (pos, v, tf, size) in enumerate(parts):
+      if defer and size < largest:
+        deferred = True
         continue  # a broadcast's small operand donates last (as XLA's propagation does)
-      dims, closed = self.dims_of(v), self.closed.get(v, frozenset())
+      closed = self.closed.get(v, frozenset())
       for d, factors in enumerate(tf):
-        if not dims[d]:
+        if not dims[part][d]:
           continue  # no axes: no candidate for any of its factors
-        for f, axes in project(factors, dims[d], rule.sizes, self.mesh):
-          candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, v))
-    merged = self._merge(c, rule, candidates)
-    if not any(axes for axes, _ in merged.values()):
-      return False
-    changed = False
-    for _, v, tf, _ in parts:
-      changed |= self._write(c, v, tf, rule, merged)
-    return changed
+        for f, axes in project(factors, dims[part][d], rule.sizes, self.mesh):
+          candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, part))
+    conflicts: list[tuple[int, Axes, int, Axes, int]] = []
+    merged = self._merge(rule, candidates, conflicts)
+    writes: list[tuple[int, int, Axes, int | None]] = []
+    if any(axes for axes, _ in merged.values()):
+      for part, (_, v, tf, _) in enumerate(parts):
+        self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes)
+    return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
-  def _merge(self, c: Constraint, rule: OpShardingRule,
-             candidates: dict[int, list[_Candidate]]) -> dict[int, tuple[Axes, _Candidate]]:
+  def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
+             conflicts: list[tuple[int, Axes, int, Axes, int]]
+             ) -> dict[int, tuple[Axes, _Candidate]]:
     chosen: list[tuple[tuple, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
       if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
@@ -202,10 +271,7 @@ class _Engine:
         best = ranked[0]
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
-            key = (c.op.index, f, best.axes, other.axes)
-            self.conflicts.setdefault(key, Conflict(
-                c.op, best.axes, self.origins.get(best.value, DEFAULT), other.axes,
-                self.origins.get(other.value, DEFAULT)))
+            conflicts.append((f, best.axes, best.part, other.axes, other.part))
       chosen.append((best.priority(), f, best.axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
@@ -219,11 +285,9 @@ class _Engine:
       merged[f] = (keep, best)
     return merged
 
-  def _write(self, c: Constraint, v: Value, tf: tuple, rule: OpShardingRule,
-             merged: dict[int, tuple[Axes, _Candidate]]) -> bool:
-    dims = self.dims_of(v)
-    closed = self.closed.get(v, frozenset())
-    changed = False
+  def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
+             rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
+             writes: list[tuple[int, int, Axes, int | None]]) -> None:
     for d, factors in enumerate(tf):
       if d in closed or not factors:
         continue
@@ -243,12 +307,7 @@ class _Engine:
       if not added:
         continue
       dims[d] = old + added
-      for i in self.readers[v]:
-        self.dirty[i] = True
-      if source is not None and source.value is not v:
-        self.origins[v] = Origin("propagated", via=c.op, source=source.value)
-      changed = True
-    return changed
+      writes.append((part, d, dims[d], None if source is None else source.part))
 
 
 def project(factors: tuple[int, ...], axes: Axes, sizes: tuple[int, ...],
