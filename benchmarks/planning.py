@@ -6,15 +6,19 @@ For each L, a fresh partitioned step (value_and_grad + AdamW, 2-D sharded: batch
 Megatron over "model", on 8 simulated CPU devices) is timed in phases, side by side in one run:
   spmd   trace + propagate + schedule (``plan``) and lowering to StableHLO (``lower``);
   XLA    compiling that lowered program;
-  jit    ``jax.jit`` of the same step with the same in_shardings: lower + compile.
-Reported: equations in the program, spmd's time per equation, spmd / XLA compile, and spmd's
-total (spmd + its XLA compile) / jax.jit's total; then spmd's phases per equation:
+  jit    ``jax.jit`` of the same step with the same in_shardings: trace + lower + compile.
+Reported: equations in the program, spmd's time per equation, spmd / XLA compile, jit's trace
+alone (the floor: spmd traces the same step), spmd's own work (spmd less its trace and JAX's
+lowering) / XLA compile, and spmd's total (spmd + its XLA compile) / jax.jit's total; then spmd's
+phases per equation:
   trace      jax.make_jaxpr of the step (as jax.jit also does);
   program    building the program (inlining, CSE, dead ops; ir.py);
   propagate  shardings for every value (propagate.py);
   schedule   executions and reshards of every op (schedule.py);
   render     the Plan's rows, collectives and warnings (rendering.py);
-  lower      replaying the schedule in shard_map and lowering it to StableHLO (lower.py, JAX).
+  replay     tracing the shard_map body: the schedule replayed, each op and collective bound on
+             local shards (lower.py; mostly JAX's binding of each equation);
+  lower      JAX's lowering of that program to StableHLO.
 """
 from __future__ import annotations
 
@@ -39,11 +43,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import spmd  # noqa: E402
 from spmd.train import optimizer_specs  # noqa: E402
 
-# The pipeline's steps, each timed where the driver calls it: (phase, module, function).
+# The pipeline's steps, each timed where it is called from: (phase, module, attribute).
 PHASES = (("program", "spmd.api", "build_program"),
           ("propagate", "spmd.partition.planner", "propagate"),
           ("schedule", "spmd.partition.planner", "schedule"),
-          ("render", "spmd.partition.planner", "render_plan"))
+          ("render", "spmd.partition.planner", "render_plan"),
+          ("replay", "spmd.partition.lower", "_Interpreter.run"))
 D, HEADS, SEQ, BATCH, VOCAB = 64, 4, 16, 8, 128
 LAYER_SPECS = {"ln": P(), "wq": P(None, "model"), "wk": P(None, "model"),
                "wv": P(None, "model"), "wo": P("model", None), "w1": P(None, "model"),
@@ -77,8 +82,11 @@ def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
 def timed_phases(times: dict[str, float]) -> Iterator[None]:
   """While open, each step in PHASES adds its wall time to ``times[phase]``."""
   replaced = []
-  for phase, module_name, name in PHASES:
+  for phase, module_name, path in PHASES:
+    *owners, name = path.split(".")
     module = importlib.import_module(module_name)
+    for owner in owners:
+      module = getattr(module, owner)
     original = getattr(module, name)
 
     def timed(*args, _phase=phase, _original=original, **kwargs):
@@ -118,10 +126,12 @@ def measure(layers: int, mesh) -> dict:
     start = time.perf_counter()
     plan = ours.plan(*args)
     planned = time.perf_counter()
+    in_plan = sum(phases.values())
     lowered = ours.lower(*args)
     done = time.perf_counter()
   spmd_time = done - start
-  phases = {"trace": planned - start - sum(phases.values()), **phases, "lower": done - planned}
+  phases = {"trace": planned - start - in_plan, **phases,
+            "lower": done - planned - phases["replay"]}
   gc.collect()
   start = time.perf_counter()
   lowered.compile()
@@ -130,10 +140,12 @@ def measure(layers: int, mesh) -> dict:
                            is_leaf=lambda x: isinstance(x, P))
   gc.collect()
   start = time.perf_counter()
-  jax.jit(step, in_shardings=shardings).lower(*args).compile()
+  traced = jax.jit(step, in_shardings=shardings).trace(*args)
+  jit_trace = time.perf_counter() - start
+  traced.lower().compile()
   jit_time = time.perf_counter() - start
   return {"layers": layers, "ops": len(plan.rows), "spmd": spmd_time, "xla": xla_time,
-          "jit": jit_time, "phases": phases}
+          "jit": jit_time, "jit_trace": jit_trace, "phases": phases}
 
 
 def main() -> None:
@@ -144,15 +156,18 @@ def main() -> None:
   measure(1, mesh)  # warm up JAX's own caches
   print(f"planning time, jax {jax.__version__}, {os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.1f}")
-  print("| layers | ops | spmd (s) | ms/op | XLA compile (s) | spmd/XLA | jit (s) | total/jit |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| layers | ops | spmd (s) | ms/op | XLA compile (s) | spmd/XLA | jit trace (s) | "
+        "own/XLA | jit (s) | total/jit |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   results = []
   for layers in args.layers:
     r = measure(layers, mesh)
     results.append(r)
+    own = r["spmd"] - r["phases"]["trace"] - r["phases"]["lower"]
     print(f"| {layers} | {r['ops']} | {r['spmd']:.2f} | {1e3 * r['spmd'] / r['ops']:.2f} | "
-          f"{r['xla']:.2f} | {r['spmd'] / r['xla']:.2f} | {r['jit']:.2f} | "
-          f"{(r['spmd'] + r['xla']) / r['jit']:.2f} |", flush=True)
+          f"{r['xla']:.2f} | {r['spmd'] / r['xla']:.2f} | {r['jit_trace']:.2f} | "
+          f"{own / r['xla']:.2f} | {r['jit']:.2f} | {(r['spmd'] + r['xla']) / r['jit']:.2f} |",
+          flush=True)
   names = list(results[0]["phases"])
   print("\nspmd's phases, ms per op (seconds in parentheses)\n")
   print("| layers | " + " | ".join(names) + " |")
