@@ -11,6 +11,7 @@ expert layout, instead of an all-to-all of the mask and an all-gather of the tok
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
@@ -36,7 +37,7 @@ class Execution:
   produces: tuple[TensorSharding | None, ...]   # per result: local results (maybe partial)
   halos: tuple[Exchange, ...] = ()                # neighbour exchanges of sharded windowed dims
 
-  @property
+  @functools.cached_property
   def partial_axes(self) -> Axes:
     """Axes of the sharded reduction factors: results are partial over these."""
     rule = self.constraint.rule
