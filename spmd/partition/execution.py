@@ -64,7 +64,8 @@ class ExecutionPlanner:
   """Plans each op's execution. The candidate executions of an op depend only on its rule and
   its tensors' shapes, dtypes and shardings, which a model's layers repeat: they are computed once
   per such key (with the bytes their results' reshards move); only the operands' prices, which
-  depend on the forms made so far, are taken per op."""
+  depend on the forms made so far, are taken per op. Lives for one schedule, whose constraints
+  keep their rules alive (rules are keyed by identity)."""
 
   def __init__(self, mesh: MeshShape, wire: Wire):
     self.mesh, self.wire = mesh, wire
@@ -72,8 +73,8 @@ class ExecutionPlanner:
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
            price: Price) -> Execution:
-    key = (c.rule,) + tuple(None if v is None else (v.shape, v.dtype, shardings[v])
-                            for v in c.tensors())
+    key = (id(c.rule),) + tuple(None if v is None else (v.shape, v.dtype, shardings[v])
+                                for v in c.tensors())  # propagation shares equal ops' rules
     options = self._options.get(key)
     if options is None:
       options = self._options[key] = self._candidates(c, shardings)
