@@ -134,14 +134,35 @@ class _Candidate:
 
 
 @dataclass(frozen=True)
+class _Dropped:
+  """A conflict on ``factor``: ``kept`` axes (from part ``kept_part``) won over ``dropped``."""
+
+  factor: int
+  kept: Axes
+  kept_part: int
+  dropped: Axes
+  dropped_part: int
+
+
+@dataclass(frozen=True)
+class _Write:
+  """Dim ``dim`` of part ``part`` takes ``axes`` (propagated from part ``source``, if any)."""
+
+  part: int
+  dim: int
+  axes: Axes
+  source: int | None
+
+
+@dataclass(frozen=True)
 class _Outcome:
   """What applying a constraint does, by the positions of its tensors: it depends only on the
   rule, the tensors' sizes, closed dims, which of them are one value, and their dims now. A
   model's layers repeat those, so each outcome is computed once and replayed."""
 
   deferred: bool  # a broadcast's smaller operand was left out (it donates at level 2)
-  conflicts: tuple[tuple[int, Axes, int, Axes, int], ...]  # factor, kept (part), dropped (part)
-  writes: tuple[tuple[int, int, Axes, int | None], ...]  # part, dim, its new axes, source part
+  conflicts: tuple[_Dropped, ...]
+  writes: tuple[_Write, ...]
 
 
 class _Engine:
@@ -213,17 +234,17 @@ class _Engine:
                                                    [list(d) for d in dims])
     if outcome.deferred:
       self.deferred.add(i)
-    for f, kept, kept_part, dropped, dropped_part in outcome.conflicts:
-      self.conflicts.setdefault((c.op.index, f, kept, dropped), Conflict(
-          c.op, kept, self.origins.get(parts[kept_part][1], DEFAULT), dropped,
-          self.origins.get(parts[dropped_part][1], DEFAULT)))
-    for part, d, axes, source in outcome.writes:
-      v = parts[part][1]
-      self.dims_of(v)[d] = axes
+    for x in outcome.conflicts:
+      self.conflicts.setdefault((c.op.index, x.factor, x.kept, x.dropped), Conflict(
+          c.op, x.kept, self.origins.get(parts[x.kept_part][1], DEFAULT), x.dropped,
+          self.origins.get(parts[x.dropped_part][1], DEFAULT)))
+    for w in outcome.writes:
+      v = parts[w.part][1]
+      self.dims_of(v)[w.dim] = w.axes
       for j in self.readers[v]:
         self.dirty[j] = True
-      if source is not None and parts[source][1] is not v:
-        self.origins[v] = Origin("propagated", via=c.op, source=parts[source][1])
+      if w.source is not None and parts[w.source][1] is not v:
+        self.origins[v] = Origin("propagated", via=c.op, source=parts[w.source][1])
     return bool(outcome.writes)
 
   def _outcome(self, rule: OpShardingRule, parts: tuple, largest: int,
@@ -246,16 +267,16 @@ class _Engine:
           continue  # no axes: no candidate for any of its factors
         for f, axes in project(factors, dims[part][d], rule.sizes, self.mesh):
           candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, part))
-    conflicts: list[tuple[int, Axes, int, Axes, int]] = []
+    conflicts: list[_Dropped] = []
     merged = self._merge(rule, candidates, conflicts)
-    writes: list[tuple[int, int, Axes, int | None]] = []
+    writes: list[_Write] = []
     if any(axes for axes, _ in merged.values()):
       for part, (_, v, tf, _) in enumerate(parts):
         self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes)
     return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
-             conflicts: list[tuple[int, Axes, int, Axes, int]]
+             conflicts: list[_Dropped]
              ) -> dict[int, tuple[Axes, _Candidate]]:
     chosen: list[tuple[tuple, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
@@ -271,7 +292,7 @@ class _Engine:
         best = ranked[0]
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
-            conflicts.append((f, best.axes, best.part, other.axes, other.part))
+            conflicts.append(_Dropped(f, best.axes, best.part, other.axes, other.part))
       chosen.append((best.priority(), f, best.axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
@@ -287,7 +308,7 @@ class _Engine:
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
-             writes: list[tuple[int, int, Axes, int | None]]) -> None:
+             writes: list[_Write]) -> None:
     for d, factors in enumerate(tf):
       if d in closed or not factors:
         continue
@@ -307,7 +328,7 @@ class _Engine:
       if not added:
         continue
       dims[d] = old + added
-      writes.append((part, d, dims[d], None if source is None else source.part))
+      writes.append(_Write(part, d, dims[d], None if source is None else source.part))
 
 
 def project(factors: tuple[int, ...], axes: Axes, sizes: tuple[int, ...],
