@@ -341,8 +341,12 @@ def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | Non
   if info is None or info.annotation is None:
     params.update({k: None for k in SHARDING_PARAMS
                    if k in params and not names_mesh_axes(params[k])})
+  return hashable_or_none((op.primitive, inputs, tuple(sorted(params.items()))))
+
+
+def hashable_or_none(key: tuple) -> tuple | None:
+  """``key`` if it can be hashed, else None (an op's params that do not compare, e.g. arrays)."""
   try:
-    key = (op.primitive, inputs, tuple(sorted(params.items())))
     hash(key)
   except TypeError:
     return None

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from spmd.partition.ir import Op, Program, Value, literal_key
+from spmd.partition.ir import Op, Program, Value, hashable_or_none, literal_key
 from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -106,15 +106,10 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
 def _rule_key(op: Op) -> tuple | None:
   """What an op's rule depends on: its primitive, params, operands' avals (literals' values too)
   and results' avals; None if a param cannot be hashed."""
-  key = (op.eqn.primitive, tuple(sorted(op.params.items())),
-         tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
-               for x in op.inputs),
-         tuple(v.aval for v in op.outputs))
-  try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
+  return hashable_or_none((op.eqn.primitive, tuple(sorted(op.params.items())),
+                           tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
+                                 for x in op.inputs),
+                           tuple(v.aval for v in op.outputs)))
 
 
 def _values(atoms: Iterable[object]) -> tuple[Value | None, ...]:

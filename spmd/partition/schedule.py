@@ -23,7 +23,7 @@ from typing import Hashable, Mapping
 
 from spmd.partition.execution import Execution, ExecutionPlanner, Price
 from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
-from spmd.partition.ir import Op, Program, Region, Value, depth_first
+from spmd.partition.ir import Op, Program, Region, Value, depth_first, hashable_or_none
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
@@ -327,14 +327,10 @@ def _kind(op: Op, shardings: Mapping[Value, TensorSharding]) -> Hashable | None:
   """Primitive, params and the shardings of every operand and result: ops of one kind reading a
   value at one position face the same choice, so they want one form of it (None: params that do
   not compare)."""
-  try:
-    key = (op.primitive, tuple(sorted(op.params.items())),
-           tuple(shardings.get(x) if isinstance(x, Value) else None for x in op.inputs),
-           tuple(shardings.get(v) for v in op.outputs))
-    hash(key)
-  except TypeError:
-    return None
-  return key
+  return hashable_or_none((op.primitive, tuple(sorted(op.params.items())),
+                           tuple(shardings.get(x) if isinstance(x, Value) else None
+                                 for x in op.inputs),
+                           tuple(shardings.get(v) for v in op.outputs)))
 
 
 Readers = dict[tuple[int, Hashable], list[int]]
