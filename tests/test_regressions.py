@@ -224,3 +224,16 @@ def test_constants_are_folded():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
   plan = assert_partitioned_matches(f, (x,), (P("a", None),), "a2b4", P("a", None))
   assert not plan.collectives
+
+
+
+def test_an_add_reading_a_calls_literal_argument():
+  """``jax.nn.log_sigmoid`` (optax's sigmoid cross entropy) calls a custom_jvp with a literal:
+  inlined, an ``add`` reads that literal where its equation names a variable, and the roll
+  recognizer (roll.py) hashed it (a literal holding an array is unhashable). It now looks at the
+  op's inputs, not the equation's. (Found in flax's VAE example.)"""
+  def f(x):
+    return jax.nn.log_sigmoid(x) * 2
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+  assert_partitioned_matches(f, (x,), (P("a", None),), "a2b4")

@@ -61,13 +61,15 @@ def fuse_rolls(ops: list[Op]) -> None:
 
 def _rotation(op: Op, producer: dict[Value, Op]) -> tuple[tuple[Value, Any], int, int] | None:
   """((value, its variable), dim, shift) if ``op`` rolls a value along a dim, else None."""
+  from spmd.partition.ir import Literal  # ir imports this module
   if op.eqn.primitive is lax.concatenate_p:  # its operands are arrays, never literals
     d = op.params["dimension"]
     starts = [sum(x.shape[d] for x in op.inputs[:j]) for j in range(len(op.inputs))]
     pieces = [_piece(x, d, at, producer) for x, at in zip(op.inputs, starts)]
   elif op.primitive in ("add", "add_any") and not any(
-      isinstance(v, jcore.Literal) for v in op.eqn.invars) and all(
-          x in producer for x in op.inputs):
+      isinstance(x, Literal) for x in op.inputs) and all(x in producer for x in op.inputs):
+    # (op.inputs, not the equation's: a call's literal argument, inlined, reaches an equation
+    # that names a variable)
     pads = [producer[x] for x in op.inputs]
     widened = [_zero_pad_dims(p) for p in pads]
     if None in widened or len(dims := set().union(*widened)) != 1:
@@ -92,8 +94,9 @@ def _zero_pad_dims(op: Op) -> set[int] | None:
   """The dims a ``pad`` by zeros with no interior padding widens; None for any other op."""
   if op.eqn.primitive is not lax.pad_p:
     return None
-  value, config = op.eqn.invars[1], op.params["padding_config"]
-  if (not isinstance(value, jcore.Literal) or value.val != 0
+  from spmd.partition.ir import Literal  # ir imports this module
+  value, config = op.inputs[1], op.params["padding_config"]
+  if (not isinstance(value, Literal) or value.val != 0
       or any(lo < 0 or hi < 0 or interior for lo, hi, interior in config)):
     return None
   return {d for d, (lo, hi, _) in enumerate(config) if lo or hi}
