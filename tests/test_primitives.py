@@ -18,6 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import spmd
 from helpers import assert_partitioned_matches, randn, rng
 
 ABC = ("a", "b", "c")
@@ -482,6 +483,28 @@ def test_pad(mesh, spec):
     return (jnp.pad(x, ((1, 2), (0, 0))), jnp.pad(x, ((0, 0), (3, 5)), constant_values=7.0),
             lax.pad(x, 0.5, ((1, 0, 1), (-2, 1, 0))), jnp.pad(x, 2, mode="edge"),
             lax.pad(x, x[0, 0], ((0, 0, 0), (0, -4, 1))))
+
+  assert_partitioned_matches(fn, (randn(8, 16),), (spec,), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P(None, "x", None)), ("a2b4", P("a", "b", None))],
+                         ids=str)
+def test_pad_of_a_one_row_dim(mesh, spec):
+  """A sharded dim of one row (uneven: the first shard holds it) padded to many, as the
+  gradient of ``x[:, 0]`` is: each shard pads its own block of the result."""
+  def fn(x):
+    row = spmd.annotate(x[:, None], spec)
+    return (jnp.pad(row, ((0, 0), (0, 16), (0, 0))),
+            jnp.pad(row, ((0, 0), (3, 9), (0, 0)), constant_values=2.0))
+
+  assert_partitioned_matches(fn, (randn(8, 16),), (P(),), mesh)
+
+
+@pytest.mark.parametrize("mesh,spec", SPECS_2D[::2], ids=_ids(SPECS_2D[::2]))
+def test_tile(mesh, spec):
+  """Dims repeated from one row are broadcasts (split like any dim); others whole."""
+  def fn(x):
+    return jnp.tile(x, (2, 1)), jnp.tile(x[:1], (8, 1)) * x, jnp.tile(x[:, :1], (3, 1, 16)) + x
 
   assert_partitioned_matches(fn, (randn(8, 16),), (spec,), mesh)
 

@@ -77,7 +77,7 @@ class RuleBuilder:
     another operand's window over an existing one)."""
     f = factor if factor is not None else self.factor(
         window.out if mode == "window" else window.size, FactorKind.HALO)
-    if f is not None and window.size > 1:
+    if f is not None and (window.size > 1 or window.out > 1):  # one row padded to many too
       self.windows.append(WindowedDim(f, operand, dim, window, mode))
     return f
 
