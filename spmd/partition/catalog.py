@@ -63,7 +63,6 @@ REPLICATED: dict[str, str] = {
     "rng_bit_generator": "its bits depend on the whole output shape, so no device can compute "
                          "its block alone",
     "rng_uniform": "its bits depend on the whole output shape",
-    "tile": "repeats whole dims (jnp.tile lowers to broadcast + reshape, which have rules)",
     "approx_top_k": "no rule yet: the reduced dim must be whole (as top_k)",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
@@ -122,6 +121,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # shapes
       (("broadcast_in_dim",),
        PrimitiveInfo(shape.broadcast_in_dim, ADDITIVE_IN_FIRST, local.broadcast_in_dim)),
+      (("tile",), PrimitiveInfo(shape.tile, ADDITIVE_IN_FIRST, local.tile)),
       (("reshape",), PrimitiveInfo(shape.reshape, ADDITIVE_IN_FIRST, local.reshape)),
       (("transpose",), PrimitiveInfo(shape.transpose, ADDITIVE_IN_FIRST)),
       (("squeeze",), PrimitiveInfo(shape.squeeze, ADDITIVE_IN_FIRST)),

@@ -76,6 +76,13 @@ def broadcast_in_dim(local: Local, args: list) -> list:
   return bind(local.op, args, shape=local.out_shape())
 
 
+def tile(local: Local, args: list) -> list:
+  """Each dim repeated as often as this shard's block of the result is longer than its operand
+  (a broadcast dim's block: its local rows)."""
+  reps = tuple(m // n for n, m in zip(args[0].shape, local.out_shape()))
+  return bind(local.op, args, reps=reps)
+
+
 def reshape(local: Local, args: list) -> list:
   return bind(local.op, args, new_sizes=local.out_shape(), dimensions=None)
 

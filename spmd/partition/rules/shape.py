@@ -1,4 +1,4 @@
-"""Shape ops: broadcast_in_dim, reshape, squeeze, transpose, iota."""
+"""Shape ops: broadcast_in_dim, tile, reshape, squeeze, transpose, iota."""
 from __future__ import annotations
 
 from spmd.partition.ir import Op
@@ -12,6 +12,16 @@ def broadcast_in_dim(op: Op) -> OpShardingRule:
   operand = [factors[d] if x.aval.shape[i] == out_shape[d] else None
              for i, d in enumerate(op.params["broadcast_dimensions"])]
   return b.build([operand] + [None] * (len(op.inputs) - 1), [factors])
+
+
+def tile(op: Op) -> OpShardingRule:
+  """A dim repeated from one row is a broadcast (its result dim may be split); one repeated from
+  several rows is whole in the operand and the result; the others pass."""
+  x, out_shape = op.inputs[0], op.outputs[0].shape
+  b = RuleBuilder()
+  factors = [b.factor(m) if n in (1, m) else None for n, m in zip(x.aval.shape, out_shape)]
+  operand = [f if n == m else None for f, n, m in zip(factors, x.aval.shape, out_shape)]
+  return b.build([operand], [factors])
 
 
 def transpose(op: Op) -> OpShardingRule:
