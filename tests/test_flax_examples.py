@@ -1,0 +1,432 @@
+"""flax's own example models (google/flax examples/ and the NNX guides), small, written as their
+users write them, run through spmd.partition: a batch over "data", params open or named by
+logical rules over "model", on 2x4, 8x1 and 1x8 meshes, uneven sizes included; each checked
+against the unpartitioned function (helpers.assert_partitioned_matches) and trained for a few
+steps with the state fed back."""
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import (assert_partitioned_matches, assert_plan_is_hlo, assert_trees_match,
+                     missing_rules, randn)
+
+MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
+          "1x8": {"data": 1, "model": 8}}
+
+
+def mesh_of(name: str):
+  return spmd.make_mesh(MESHES[name])
+
+
+def train_loop(step: Callable, partitioned: Callable, state: tuple, batches: list,
+               **tolerance: Any) -> None:
+  """Three steps feeding the state back, partitioned beside unpartitioned: their states and
+  losses stay equal."""
+  want = got = state
+  for batch in batches:
+    *want, want_loss = step(*want, *batch)
+    *got, got_loss = partitioned(*got, *batch)
+    assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
+
+
+def check_plan(partitioned: Callable, *args: Any) -> None:
+  """The plan moves the compiled program's bytes, and no op ran replicated for want of a rule
+  (assert_partitioned_matches's checks, for NNX modules updated in place)."""
+  plan = partitioned.plan(*args)
+  assert_plan_is_hlo(plan, partitioned.lower(*args).compile().as_text())
+  assert not missing_rules(plan), plan.explain()
+
+
+# --- linen MNIST CNN (examples/mnist) -----------------------------------------------------------
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(features=8, kernel_size=(3, 3))(x)
+    x = nn.relu(x)
+    x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = nn.Conv(features=16, kernel_size=(3, 3))(x)
+    x = nn.relu(x)
+    x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.Dense(features=32)(x)
+    x = nn.relu(x)
+    return nn.Dense(features=10)(x)
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_linen_mnist_cnn_train_step(mesh, batch):
+  model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
+  images = randn(batch, 12, 12, 1)
+  labels = jnp.arange(batch) % 10
+  params = model.init(jax.random.key(0), images)["params"]
+
+  def step(params, opt_state, images, labels):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, images)
+      return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, 10)).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  in_specs, reference = (None, None, P("data"), P("data")), jax.jit(step)
+  state = (params, tx.init(params))
+  assert_partitioned_matches(step, (*state, images, labels), in_specs, mesh_of(mesh),
+                             reference=reference, rtol=1e-4, atol=1e-5)
+  batches = [(randn(batch, 12, 12, 1, seed=s), labels) for s in range(3)]
+  train_loop(reference, spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs), state,
+             batches, rtol=1e-4, atol=1e-5)
+
+
+# --- linen ResNet block with BatchNorm (examples/imagenet) ---------------------------------------
+
+class ResNetBlock(nn.Module):
+  filters: int
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)  # noqa: E731
+    residual = x
+    y = nn.Conv(self.filters, (3, 3), use_bias=False)(x)
+    y = nn.relu(norm()(y))
+    y = nn.Conv(self.filters, (3, 3), use_bias=False)(y)
+    y = norm()(y)
+    if residual.shape != y.shape:
+      residual = norm()(nn.Conv(self.filters, (1, 1), use_bias=False)(residual))
+    return nn.relu(residual + y)
+
+
+class ResNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), strides=(2, 2), use_bias=False)(x)
+    x = ResNetBlock(16)(x, train)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 8)])
+def test_linen_resnet_batchnorm_train_and_eval(mesh, batch):
+  model, tx = ResNet(), optax.adam(1e-2)
+  images = randn(batch, 8, 8, 3)
+  labels = jnp.arange(batch) % 10
+  variables = model.init(jax.random.key(0), images)
+
+  def step(params, batch_stats, opt_state, images, labels):
+    def loss_fn(params):
+      logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images,
+                                    mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      return loss, updates["batch_stats"]
+
+    (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+  def evaluate(variables, images):
+    return model.apply(variables, images, train=False)
+
+  mesh = mesh_of(mesh)
+  in_specs, reference = (None, None, None, P("data"), P("data")), jax.jit(step)
+  state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+  assert_partitioned_matches(step, (*state, images, labels), in_specs, mesh,
+                             reference=reference, rtol=1e-4, atol=1e-5)
+  batches = [(randn(batch, 8, 8, 3, seed=s), labels) for s in range(3)]
+  train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state, batches,
+             rtol=1e-4, atol=1e-4)
+  assert_partitioned_matches(evaluate, (variables, images), (None, P("data")), mesh,
+                             reference=jax.jit(evaluate), rtol=1e-4, atol=1e-5)
+
+
+# --- linen recurrent networks: nn.RNN over LSTM / GRU cells, nn.scan (examples/sort, seq2seq) ----
+
+class SeqClassifier(nn.Module):
+  cell: str
+
+  @nn.compact
+  def __call__(self, x):
+    if self.cell == "lstm":
+      h = nn.RNN(nn.OptimizedLSTMCell(16))(x)
+    elif self.cell == "gru":
+      h = nn.RNN(nn.GRUCell(16))(x)
+    else:  # nn.scan over a cell, as before nn.RNN
+      scan = nn.scan(nn.LSTMCell, variable_broadcast="params", split_rngs={"params": False},
+                     in_axes=1, out_axes=1)
+      carry = nn.LSTMCell(16, parent=None).initialize_carry(jax.random.key(0), x[:, 0].shape)
+      _, h = scan(16)(carry, x)
+    return nn.Dense(4)(h[:, -1])
+
+
+@pytest.mark.parametrize("cell,mesh,batch", [("lstm", "2x4", 8), ("gru", "8x1", 6),
+                                             ("scan", "1x8", 8)])
+def test_linen_recurrent_grads(cell, mesh, batch):
+  model = SeqClassifier(cell)
+  x = randn(batch, 5, 3)
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss_and_grads(params, x):
+    return jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(params)
+
+  assert_partitioned_matches(loss_and_grads, (params, x), (None, P("data")), mesh_of(mesh),
+                             reference=jax.jit(loss_and_grads), rtol=1e-4, atol=1e-5)
+
+
+# --- linen VAE (examples/vae): an rng argument, the reparameterization --------------------------
+
+class VAE(nn.Module):
+  latents: int = 4
+
+  @nn.compact
+  def __call__(self, x, z_rng):
+    h = nn.relu(nn.Dense(32, name="enc_hidden")(x))
+    mean = nn.Dense(self.latents, name="enc_mean")(h)
+    logvar = nn.Dense(self.latents, name="enc_logvar")(h)
+    z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(z_rng, logvar.shape)
+    logits = nn.Dense(x.shape[-1], name="dec_out")(nn.relu(nn.Dense(32, name="dec_hidden")(z)))
+    return logits, mean, logvar
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_linen_vae_train_step(mesh, batch):
+  model, tx = VAE(), optax.adam(1e-3)
+  x = (randn(batch, 20) > 0).astype(np.float32)
+  params = model.init(jax.random.key(0), x, jax.random.key(1))["params"]
+
+  def step(params, opt_state, x, key):
+    def loss_fn(params):
+      logits, mean, logvar = model.apply({"params": params}, x, key)
+      bce = optax.sigmoid_binary_cross_entropy(logits, x).sum(-1).mean()
+      kld = (-0.5 * jnp.sum(1 + logvar - mean ** 2 - jnp.exp(logvar), -1)).mean()
+      return bce + kld
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  mesh = mesh_of(mesh)
+  in_specs, reference = (None, None, P("data"), P()), jax.jit(step)
+  state = (params, tx.init(params))
+  assert_partitioned_matches(step, (*state, x, jax.random.key(2)), in_specs, mesh,
+                             reference=reference, rtol=1e-4, atol=1e-5)
+  batches = [(x, k) for k in jax.random.split(jax.random.key(3), 3)]
+  train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state, batches,
+             rtol=1e-4, atol=1e-5)
+
+
+# --- linen LM1B-style Transformer with logical partitioning (examples/lm1b) ---------------------
+
+LM_RULES = (("batch", "data"), ("vocab", "model"), ("mlp", "model"), ("kv", "model"),
+            ("embed", None))
+
+
+class DecoderBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, mask):
+    names = lambda *n: nn.with_logical_partitioning(nn.initializers.lecun_normal(), n)  # noqa
+    norm = lambda: nn.LayerNorm(  # noqa: E731
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
+    y = nn.SelfAttention(num_heads=4, qkv_features=16, use_bias=False, deterministic=True,
+                         kernel_init=names("embed", "kv"))(norm()(x), mask)
+    x = x + y
+    z = nn.relu(nn.Dense(32, kernel_init=names("embed", "mlp"))(norm()(x)))
+    z = nn.with_logical_constraint(z, ("batch", None, "mlp"))
+    return x + nn.Dense(x.shape[-1], kernel_init=names("mlp", "embed"))(z)
+
+
+class TransformerLM(nn.Module):
+  vocab: int = 24
+
+  @nn.compact
+  def __call__(self, tokens):
+    mask = nn.combine_masks(nn.make_attention_mask(tokens > 0, tokens > 0),
+                            nn.make_causal_mask(tokens))
+    embed = nn.Embed(self.vocab, 16, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")))
+    x = embed(tokens)
+    for _ in range(2):
+      x = DecoderBlock()(x, mask)
+    return nn.Dense(self.vocab, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "vocab")))(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
+def test_linen_lm1b_transformer_logical_rules(mesh, batch):
+  model, tx = TransformerLM(), optax.adamw(1e-2)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (batch, 8)), jnp.int32)
+  variables = model.init(jax.random.key(0), tokens)
+  params = nn.unbox(variables)["params"]
+  param_specs = nn.get_partition_spec(variables)["params"]
+
+  def step(params, opt_state, tokens):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  mesh = mesh_of(mesh)
+  in_specs, reference = (param_specs, None, P("batch")), jax.jit(step)
+  state = (params, tx.init(params))
+  plan = assert_partitioned_matches(step, (*state, tokens), in_specs, mesh, rules=LM_RULES,
+                                    reference=reference, rtol=1e-4, atol=1e-5)
+  assert plan.in_specs[0]["Embed_0"]["embedding"] == P("model", None)
+  batches = [(jnp.roll(tokens, s, axis=1),) for s in range(3)]
+  train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs, rules=LM_RULES),
+             state, batches, rtol=1e-4, atol=1e-5)
+
+
+# --- ViT patch embedding (vision_transformer): a conv whose stride is its patch ------------------
+
+class PatchEmbed(nn.Module):
+  @nn.compact
+  def __call__(self, images):
+    x = nn.Conv(16, kernel_size=(4, 4), strides=(4, 4), padding="VALID", name="embedding")(images)
+    n, h, w, c = x.shape
+    x = x.reshape(n, h * w, c)
+    cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
+    x = jnp.concatenate([jnp.tile(cls, (n, 1, 1)), x], axis=1)
+    x = x + self.param("pos_embedding", nn.initializers.normal(0.02), (1, h * w + 1, c))
+    x = nn.MultiHeadDotProductAttention(num_heads=4)(x, x)
+    return nn.Dense(10)(nn.LayerNorm()(x[:, 0]))
+
+
+@pytest.mark.parametrize("mesh,batch,spec", [("2x4", 8, P("data")),
+                                             ("1x8", 2, P("data", "model"))])
+def test_vit_patch_embedding_grads(mesh, batch, spec):
+  """Images split by batch, and (1x8) by rows: the patches' conv takes no halo."""
+  model = PatchEmbed()
+  images = randn(batch, 16, 16, 3)
+  params = model.init(jax.random.key(0), images)["params"]
+
+  def loss_and_grads(params, images):
+    return jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, images) ** 2))(params)
+
+  assert_partitioned_matches(loss_and_grads, (params, images), (None, spec), mesh_of(mesh),
+                             reference=jax.jit(loss_and_grads), rtol=1e-4, atol=1e-5)
+
+
+# --- NNX (the NNX basics / MNIST tutorial) -------------------------------------------------------
+
+class NnxCNN(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+    self.avg_pool = lambda x: nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(3 * 3 * 16, 32, rngs=rngs)
+    self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.avg_pool(nnx.relu(self.conv1(x)))
+    x = self.avg_pool(nnx.relu(self.conv2(x)))
+    x = x.reshape(x.shape[0], -1)
+    return self.linear2(nnx.relu(self.linear1(x)))
+
+
+class NnxNormDropout(nnx.Module):
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.linear1 = nnx.Linear(12, 32, rngs=rngs)
+    self.bn = nnx.BatchNorm(32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.25, rngs=rngs)
+    self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.dropout(self.bn(self.linear1(x.reshape(x.shape[0], -1)))))
+    return self.linear2(x)
+
+
+def nnx_train_step(model, optimizer, metrics, images, labels):
+  def loss_fn(model):
+    logits = model(images)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, logits
+
+  (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  metrics.update(loss=loss, logits=logits, labels=labels)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("make,shape,mesh,batch", [
+    (NnxCNN, (12, 12, 1), "2x4", 8), (NnxNormDropout, (4, 3), "8x1", 6)])
+def test_nnx_train_step_optimizer_metrics(make, shape, mesh, batch):
+  """nnx.Optimizer and nnx.MultiMetric updated in place, BatchNorm's stats and Dropout's rng
+  state carried from step to step, as under nnx.jit."""
+  def fresh():
+    model = make(rngs=nnx.Rngs(0))
+    return (model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param),
+            nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")))
+
+  ours, reference = fresh(), fresh()
+  step = spmd.partition(nnx_train_step, mesh=mesh_of(mesh),
+                        in_specs=(None, None, None, P("data"), P("data")))
+  jitted = nnx.jit(nnx_train_step)
+  for s in range(3):
+    images, labels = randn(batch, *shape, seed=s), jnp.arange(batch) % 10
+    assert_trees_match(step(*ours, images, labels), jitted(*reference, images, labels),
+                       rtol=1e-4, atol=1e-5)
+  for got, want in zip(ours, reference):
+    assert_trees_match(nnx.state(got), nnx.state(want), rtol=1e-4, atol=1e-5)
+  check_plan(step, *ours, images, labels)
+  assert_trees_match(ours[2].compute(), reference[2].compute(), rtol=1e-4, atol=1e-5)
+
+
+# --- NNX scan over stacked layers (nnx.vmap to create, nnx.scan to apply) ------------------------
+
+class Block(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(16, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+  def __call__(self, x):
+    return x + nnx.gelu(self.linear(self.norm(x)))
+
+
+class ScannedMLP(nnx.Module):
+  def __init__(self, layers: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return Block(rngs)
+
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return block(x)
+
+    return self.head(forward(x, self.blocks))
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_nnx_scan_over_stacked_layers(mesh, batch):
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  def fresh():
+    model = ScannedMLP(3, nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  ours, reference = fresh(), fresh()
+  partitioned = spmd.partition(step, mesh=mesh_of(mesh), in_specs=(None, None, P("data"), P("data")))
+  jitted = nnx.jit(step)
+  for s in range(3):
+    x, y = randn(batch, 16, seed=s), randn(batch, 4, seed=s + 10)
+    assert_trees_match(partitioned(*ours, x, y), jitted(*reference, x, y), rtol=1e-4, atol=1e-5)
+  assert_trees_match(nnx.state(ours[0]), nnx.state(reference[0]), rtol=1e-4, atol=1e-5)
+  check_plan(partitioned, *ours, x, y)
