@@ -237,3 +237,15 @@ def test_an_add_reading_a_calls_literal_argument():
 
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
   assert_partitioned_matches(f, (x,), (P("a", None),), "a2b4")
+
+
+def test_a_mesh_axis_of_size_one_splits_nothing():
+  """Logical rules map names to a mesh axis that may have size 1 (flax's rules on an 8x1 mesh):
+  a value moved between dims over it was an all-to-all the plan counted and XLA deletes (a
+  gradient's reductions over it were all-reduces). Specs drop such axes when read."""
+  def f(x):
+    return jnp.tanh(spmd.annotate(x * 2, P(None, "model"))).sum(1)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
+  plan = assert_partitioned_matches(f, (x,), (P("model", None),), {"data": 8, "model": 1})
+  assert not plan.collectives

@@ -30,7 +30,8 @@ class TensorSharding:
 
   @classmethod
   def from_spec(cls, spec: P, rank: int, mesh_shape: MeshShape, *, what: str = "spec") -> TensorSharding:
-    """Validates ``spec`` against the mesh and the array rank; ``what`` names it in errors."""
+    """Validates ``spec`` against the mesh and the array rank; ``what`` names it in errors.
+    Mesh axes of size 1 are dropped: a dim they split is whole, and nothing moves over them."""
     if not isinstance(spec, P):
       raise TypeError(f"{what}: expected a jax.sharding.PartitionSpec or None, got {spec!r}")
     entries = tuple(spec)
@@ -51,7 +52,7 @@ class TensorSharding:
           raise ValueError(f"{what}: {spec} uses mesh axis {axis!r} more than once (mesh "
                            f"{mesh_text(mesh_shape)}): a mesh axis splits one dim at most")
         seen.add(axis)
-      dims.append(axes)
+      dims.append(tuple(a for a in axes if mesh_shape[a] > 1))  # one of size 1 splits nothing
     return cls(tuple(dims))
 
   @property
