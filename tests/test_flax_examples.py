@@ -1,8 +1,8 @@
 """flax's own example models (google/flax examples/ and the NNX guides), small, written as their
 users write them, run through spmd.partition: a batch over "data", params open or named by
 logical rules over "model", on 2x4, 8x1 and 1x8 meshes, uneven sizes included; each checked
-against the unpartitioned function (helpers.assert_partitioned_matches) and trained for a few
-steps with the state fed back."""
+against the unpartitioned function (helpers.assert_partitioned_matches, or its checks after a
+loop of training steps feeding the state back)."""
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -26,23 +27,26 @@ def mesh_of(name: str):
   return spmd.make_mesh(MESHES[name])
 
 
-def train_loop(step: Callable, partitioned: Callable, state: tuple, batches: list,
-               **tolerance: Any) -> None:
-  """Three steps feeding the state back, partitioned beside unpartitioned: their states and
-  losses stay equal."""
-  want = got = state
-  for batch in batches:
-    *want, want_loss = step(*want, *batch)
-    *got, got_loss = partitioned(*got, *batch)
-    assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
-
-
-def check_plan(partitioned: Callable, *args: Any) -> None:
-  """The plan moves the compiled program's bytes, and no op ran replicated for want of a rule
-  (assert_partitioned_matches's checks, for NNX modules updated in place)."""
+def check_plan(partitioned: Callable, *args: Any) -> spmd.Plan:
+  """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
+  NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
+  replicated for want of a rule. Returns the plan."""
   plan = partitioned.plan(*args)
   assert_plan_is_hlo(plan, partitioned.lower(*args).compile().as_text())
   assert not missing_rules(plan), plan.explain()
+  return plan
+
+
+def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,
+               **tolerance: Any) -> spmd.Plan:
+  """Steps feeding the state back, partitioned beside ``reference`` (the jitted step): their
+  states and losses stay equal; then ``check_plan``. Returns the plan."""
+  want = got = state
+  for batch in batches:
+    *want, want_loss = reference(*want, *batch)
+    *got, got_loss = partitioned(*got, *batch)
+    assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
+  return check_plan(partitioned, *state, *batches[0])
 
 
 # --- linen MNIST CNN (examples/mnist) -----------------------------------------------------------
@@ -67,7 +71,7 @@ def test_linen_mnist_cnn_train_step(mesh, batch):
   model, tx = CNN(), optax.sgd(0.1, momentum=0.9)
   images = randn(batch, 12, 12, 1)
   labels = jnp.arange(batch) % 10
-  params = model.init(jax.random.key(0), images)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), images)["params"]
 
   def step(params, opt_state, images, labels):
     def loss_fn(params):
@@ -80,11 +84,40 @@ def test_linen_mnist_cnn_train_step(mesh, batch):
 
   in_specs, reference = (None, None, P("data"), P("data")), jax.jit(step)
   state = (params, tx.init(params))
-  assert_partitioned_matches(step, (*state, images, labels), in_specs, mesh_of(mesh),
-                             reference=reference, rtol=1e-4, atol=1e-5)
   batches = [(randn(batch, 12, 12, 1, seed=s), labels) for s in range(3)]
   train_loop(reference, spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs), state,
              batches, rtol=1e-4, atol=1e-5)
+
+
+# --- the MNIST example's TrainState step: a dict batch, dropout's rng, remat, bfloat16 ------------
+
+class DropoutMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.remat(nn.Dense)(32, dtype=jnp.bfloat16)(x.reshape(x.shape[0], -1))
+    x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
+    return nn.Dense(10)(x)
+
+
+def test_linen_train_state_step_with_dropout_rng():
+  model = DropoutMLP()
+  images = randn(8, 4, 4, 1)
+  params = jax.jit(model.init, static_argnums=2)(jax.random.key(0), images, False)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+  def step(state, batch, key):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["image"], True, rngs={"dropout": key})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  batches = [({"image": randn(8, 4, 4, 1, seed=s), "label": jnp.arange(8) % 10}, k)
+             for s, k in enumerate(jax.random.split(jax.random.key(1), 3))]
+  in_specs = (None, {"image": P("data"), "label": P("data")}, P())
+  train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"), in_specs=in_specs),
+             (state,), batches, rtol=2e-2, atol=2e-2)
 
 
 # --- linen ResNet block with BatchNorm (examples/imagenet) ---------------------------------------
@@ -119,7 +152,7 @@ def test_linen_resnet_batchnorm_train_and_eval(mesh, batch):
   model, tx = ResNet(), optax.adam(1e-2)
   images = randn(batch, 8, 8, 3)
   labels = jnp.arange(batch) % 10
-  variables = model.init(jax.random.key(0), images)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
 
   def step(params, batch_stats, opt_state, images, labels):
     def loss_fn(params):
@@ -138,8 +171,6 @@ def test_linen_resnet_batchnorm_train_and_eval(mesh, batch):
   mesh = mesh_of(mesh)
   in_specs, reference = (None, None, None, P("data"), P("data")), jax.jit(step)
   state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
-  assert_partitioned_matches(step, (*state, images, labels), in_specs, mesh,
-                             reference=reference, rtol=1e-4, atol=1e-5)
   batches = [(randn(batch, 8, 8, 3, seed=s), labels) for s in range(3)]
   train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state, batches,
              rtol=1e-4, atol=1e-4)
@@ -171,12 +202,38 @@ class SeqClassifier(nn.Module):
 def test_linen_recurrent_grads(cell, mesh, batch):
   model = SeqClassifier(cell)
   x = randn(batch, 5, 3)
-  params = model.init(jax.random.key(0), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
 
   def loss_and_grads(params, x):
     return jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(params)
 
   assert_partitioned_matches(loss_and_grads, (params, x), (None, P("data")), mesh_of(mesh),
+                             reference=jax.jit(loss_and_grads), rtol=1e-4, atol=1e-5)
+
+
+# --- linen SST-2 classifier (examples/sst2): a bidirectional LSTM over padded sequences --------
+
+class SentimentClassifier(nn.Module):
+  @nn.compact
+  def __call__(self, tokens, lengths):
+    x = nn.Embed(30, 8)(tokens)
+    h = nn.Bidirectional(nn.RNN(nn.LSTMCell(8)), nn.RNN(nn.LSTMCell(8)))(x, seq_lengths=lengths)
+    return nn.Dense(2)(h.mean(1))
+
+
+def test_linen_bidirectional_lstm_with_seq_lengths():
+  """The backward RNN reverses each sequence within its length (a gather per example)."""
+  model = SentimentClassifier()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 30, (8, 6)), jnp.int32)
+  lengths = jnp.asarray([6, 3, 5, 1, 2, 6, 4, 5], jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(0), tokens, lengths)["params"]
+
+  def loss_and_grads(params, tokens, lengths):
+    return jax.value_and_grad(
+        lambda p: jnp.mean(model.apply({"params": p}, tokens, lengths) ** 2))(params)
+
+  assert_partitioned_matches(loss_and_grads, (params, tokens, lengths),
+                             (None, P("data"), P("data")), mesh_of("2x4"),
                              reference=jax.jit(loss_and_grads), rtol=1e-4, atol=1e-5)
 
 
@@ -199,7 +256,7 @@ class VAE(nn.Module):
 def test_linen_vae_train_step(mesh, batch):
   model, tx = VAE(), optax.adam(1e-3)
   x = (randn(batch, 20) > 0).astype(np.float32)
-  params = model.init(jax.random.key(0), x, jax.random.key(1))["params"]
+  params = jax.jit(model.init)(jax.random.key(0), x, jax.random.key(1))["params"]
 
   def step(params, opt_state, x, key):
     def loss_fn(params):
@@ -215,8 +272,6 @@ def test_linen_vae_train_step(mesh, batch):
   mesh = mesh_of(mesh)
   in_specs, reference = (None, None, P("data"), P()), jax.jit(step)
   state = (params, tx.init(params))
-  assert_partitioned_matches(step, (*state, x, jax.random.key(2)), in_specs, mesh,
-                             reference=reference, rtol=1e-4, atol=1e-5)
   batches = [(x, k) for k in jax.random.split(jax.random.key(3), 3)]
   train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state, batches,
              rtol=1e-4, atol=1e-5)
@@ -235,8 +290,8 @@ class DecoderBlock(nn.Module):
     norm = lambda: nn.LayerNorm(  # noqa: E731
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)))
-    y = nn.SelfAttention(num_heads=4, qkv_features=16, use_bias=False, deterministic=True,
-                         kernel_init=names("embed", "kv"))(norm()(x), mask)
+    y = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, use_bias=False,
+                                        kernel_init=names("embed", "kv"))(norm()(x), mask=mask)
     x = x + y
     z = nn.relu(nn.Dense(32, kernel_init=names("embed", "mlp"))(norm()(x)))
     z = nn.with_logical_constraint(z, ("batch", None, "mlp"))
@@ -253,8 +308,7 @@ class TransformerLM(nn.Module):
     embed = nn.Embed(self.vocab, 16, embedding_init=nn.with_logical_partitioning(
         nn.initializers.normal(1.0), ("vocab", "embed")))
     x = embed(tokens)
-    for _ in range(2):
-      x = DecoderBlock()(x, mask)
+    x = DecoderBlock()(x, mask)
     return nn.Dense(self.vocab, kernel_init=nn.with_logical_partitioning(
         nn.initializers.lecun_normal(), ("embed", "vocab")))(nn.LayerNorm()(x))
 
@@ -263,7 +317,7 @@ class TransformerLM(nn.Module):
 def test_linen_lm1b_transformer_logical_rules(mesh, batch):
   model, tx = TransformerLM(), optax.adamw(1e-2)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (batch, 8)), jnp.int32)
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
   params = nn.unbox(variables)["params"]
   param_specs = nn.get_partition_spec(variables)["params"]
 
@@ -279,12 +333,49 @@ def test_linen_lm1b_transformer_logical_rules(mesh, batch):
   mesh = mesh_of(mesh)
   in_specs, reference = (param_specs, None, P("batch")), jax.jit(step)
   state = (params, tx.init(params))
-  plan = assert_partitioned_matches(step, (*state, tokens), in_specs, mesh, rules=LM_RULES,
-                                    reference=reference, rtol=1e-4, atol=1e-5)
-  assert plan.in_specs[0]["Embed_0"]["embedding"] == P("model", None)
   batches = [(jnp.roll(tokens, s, axis=1),) for s in range(3)]
-  train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs, rules=LM_RULES),
-             state, batches, rtol=1e-4, atol=1e-5)
+  plan = train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs,
+                                              rules=LM_RULES), state, batches, rtol=1e-4, atol=1e-5)
+  assert plan.in_specs[0]["Embed_0"]["embedding"] == P("model", None)
+
+
+# --- WMT-style encoder-decoder (examples/wmt): cross attention, a shared embedding's attend ------
+
+class EncoderDecoder(nn.Module):
+  @nn.compact
+  def __call__(self, source, target):
+    kernel = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "kv"))
+    embed = nn.Embed(30, 16, dtype=jnp.bfloat16, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")))
+    encoded = embed(source)
+    encoded += nn.MultiHeadDotProductAttention(4, dtype=jnp.bfloat16, kernel_init=kernel)(
+        encoded, mask=nn.make_attention_mask(source > 0, source > 0))
+    decoded = embed(target)
+    decoded += nn.MultiHeadDotProductAttention(4, dtype=jnp.bfloat16, kernel_init=kernel)(
+        decoded, encoded, mask=nn.make_attention_mask(target > 0, source > 0))
+    decoded = nn.LayerNorm(dtype=jnp.bfloat16)(decoded)
+    return embed.attend(decoded.astype(jnp.float32)) / 4.0
+
+
+@pytest.mark.parametrize("mesh", ["8x1"])
+def test_linen_encoder_decoder_shared_embedding(mesh):
+  """On 8x1 the rules name "model", of size 1: it splits nothing and moves nothing."""
+  model = EncoderDecoder()
+  source = jnp.asarray(np.random.default_rng(1).integers(0, 30, (6, 7)), jnp.int32)
+  target = jnp.asarray(np.random.default_rng(2).integers(0, 30, (6, 5)), jnp.int32)
+  variables = jax.jit(model.init)(jax.random.key(0), source, target)
+
+  def loss_and_grads(params, source, target):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, source, target)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, target).mean()
+
+    return jax.value_and_grad(loss_fn)(params)
+
+  in_specs = (nn.get_partition_spec(variables)["params"], P("batch"), P("batch"))
+  assert_partitioned_matches(loss_and_grads, (nn.unbox(variables)["params"], source, target),
+                             in_specs, mesh_of(mesh), rules=LM_RULES,
+                             reference=jax.jit(loss_and_grads), rtol=3e-2, atol=3e-2)
 
 
 # --- ViT patch embedding (vision_transformer): a conv whose stride is its patch ------------------
@@ -308,7 +399,7 @@ def test_vit_patch_embedding_grads(mesh, batch, spec):
   """Images split by batch, and (1x8) by rows: the patches' conv takes no halo."""
   model = PatchEmbed()
   images = randn(batch, 16, 16, 3)
-  params = model.init(jax.random.key(0), images)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), images)["params"]
 
   def loss_and_grads(params, images):
     return jax.value_and_grad(lambda p: jnp.mean(model.apply({"params": p}, images) ** 2))(params)
