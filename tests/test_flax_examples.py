@@ -473,6 +473,75 @@ def test_nnx_train_step_optimizer_metrics(make, shape, mesh, batch):
   assert_trees_match(ours[2].compute(), reference[2].compute(), rtol=1e-4, atol=1e-5)
 
 
+# --- NNX Transformer with logical names (nnx.with_partitioning) resolved by rules ---------------
+
+NNX_RULES = (("batch", "data"), ("vocab", "model"), ("mlp", "model"), ("heads", "model"),
+             ("embed", None), ("kv", None))
+
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=4, in_features=16, decode=False, rngs=rngs,
+        kernel_init=nnx.with_partitioning(init, ("embed", "heads", "kv")),
+        out_kernel_init=nnx.with_partitioning(init, ("heads", "kv", "embed")))
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                         rngs=rngs)
+    self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+                           rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x, mask):
+    x = x + self.dropout(self.attention(self.norm(x), mask=mask))
+    return x + self.down(nnx.relu(self.up(x)))
+
+
+class NnxLM(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(24, 16, rngs=rngs, embedding_init=nnx.with_partitioning(
+        nnx.initializers.normal(1.0), ("vocab", "embed")))
+    self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
+
+  def __call__(self, tokens):
+    x, mask = self.embed(tokens), nnx.make_causal_mask(tokens)
+    for block in self.blocks:
+      x = block(x, mask)
+    return self.embed.attend(x)
+
+
+def test_nnx_transformer_logical_names_with_rules():
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  def fresh():
+    with nnx.use_eager_sharding(False):  # the names stay metadata: spmd resolves them
+      model = NnxLM(nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+  ours, reference = fresh(), fresh()
+  partitioned = spmd.partition(step, mesh=mesh_of("2x4"), in_specs=(None, None, P("batch")),
+                               rules=NNX_RULES)
+  jitted = nnx.jit(step)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (4, 9)), jnp.int32)
+  for s in range(3):
+    batch = jnp.roll(tokens, s, axis=1)
+    assert_trees_match(partitioned(*ours, batch), jitted(*reference, batch), rtol=1e-4,
+                       atol=1e-5)
+  assert_trees_match(nnx.state(ours[0]), nnx.state(reference[0]), rtol=1e-4, atol=1e-5)
+  plan = check_plan(partitioned, *ours, tokens)
+  state_specs = plan.in_specs[0][0]
+  assert state_specs["embed"]["embedding"].get_value() == P("model", None)
+  assert state_specs["blocks"][0]["up"]["kernel"].get_value() == P(None, "model")
+
+
 # --- NNX scan over stacked layers (nnx.vmap to create, nnx.scan to apply) ------------------------
 
 class Block(nnx.Module):
