@@ -162,12 +162,13 @@ class Partitioned:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    if _graph_node_positions(args) and not kwargs:
+    args = self._positional(args, kwargs)  # NNX modules passed by keyword are updated too
+    if _graph_node_positions(args):
       pure, pure_args, nodes = self._over_graph_state(args)
       out, state = pure(*pure_args)
       sys.modules["flax.nnx"].update(nodes, state)  # the modules' updates, as nnx.jit does
       return out
-    structure, leaves = (None, None) if kwargs else _structure(args, self.static_argnums)
+    structure, leaves = _structure(args, self.static_argnums)
     steady = self._steady.get(structure) if structure is not None else None
     if steady is not None:
       outs = steady.call(leaves)
@@ -176,7 +177,7 @@ class Partitioned:
     key = _dispatch_key(structure, leaves) if structure is not None else None
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
-      compiled, leaves = self._compile(args, kwargs)
+      compiled, leaves = self._compile(args)
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
@@ -190,16 +191,18 @@ class Partitioned:
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
-    if _graph_node_positions(args) and not kwargs:
+    args = self._positional(args, kwargs)
+    if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.plan(*pure_args)
-    return self._compile(args, kwargs)[0].analysis.plan
+    return self._compile(args)[0].analysis.plan
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-    if _graph_node_positions(args) and not kwargs:
+    args = self._positional(args, kwargs)
+    if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
-    compiled, leaves = self._compile(args, kwargs)
+    compiled, leaves = self._compile(args)
     return compiled.fn.lower(*self._placed(compiled.analysis, leaves))
 
   # --- NNX modules as arguments ----------------------------------------------------------------
@@ -244,8 +247,7 @@ class Partitioned:
 
   # --- tracing and caching -------------------------------------------------------------------
 
-  def _compile(self, args: tuple, kwargs: dict) -> tuple[_Compiled, list]:
-    args = self._positional(args, kwargs)
+  def _compile(self, args: tuple) -> tuple[_Compiled, list]:
     names = self._arg_names(len(args))
     for i in self.static_argnums + self.donate_argnums:
       if not -len(args) <= i < len(args):

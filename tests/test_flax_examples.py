@@ -27,12 +27,12 @@ def mesh_of(name: str):
   return spmd.make_mesh(MESHES[name])
 
 
-def check_plan(partitioned: Callable, *args: Any) -> spmd.Plan:
+def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
   """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
   NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
   replicated for want of a rule. Returns the plan."""
-  plan = partitioned.plan(*args)
-  assert_plan_is_hlo(plan, partitioned.lower(*args).compile().as_text())
+  plan = partitioned.plan(*args, **kwargs)
+  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
   assert not missing_rules(plan), plan.explain()
   return plan
 
@@ -471,6 +471,31 @@ def test_nnx_train_step_optimizer_metrics(make, shape, mesh, batch):
     assert_trees_match(nnx.state(got), nnx.state(want), rtol=1e-4, atol=1e-5)
   check_plan(step, *ours, images, labels)
   assert_trees_match(ours[2].compute(), reference[2].compute(), rtol=1e-4, atol=1e-5)
+
+
+def test_nnx_modules_passed_by_keyword_are_updated():
+  """``train_step(model=..., optimizer=..., batch=...)``: the modules were not written back."""
+  def step(model, optimizer, batch):
+    def loss_fn(model):
+      logits = model(batch["image"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  def fresh():
+    model = nnx.Linear(12, 10, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  (model, optimizer), reference = fresh(), fresh()
+  partitioned = spmd.partition(step, mesh=mesh_of("2x4"), in_specs=(None, None, P("data")))
+  batch = {"image": randn(8, 12), "label": jnp.arange(8) % 10}
+  for _ in range(2):
+    assert_trees_match(partitioned(model, optimizer=optimizer, batch=batch),
+                       nnx.jit(step)(*reference, batch), rtol=1e-5, atol=1e-6)
+  assert_trees_match(nnx.state(model), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
+  check_plan(partitioned, model, optimizer=optimizer, batch=batch)
 
 
 # --- NNX Transformer with logical names (nnx.with_partitioning) resolved by rules ---------------
