@@ -86,8 +86,11 @@ def test_linen_mnist_cnn_train_step(mesh, batch):
   in_specs, reference = (None, None, P("data"), P("data")), jax.jit(step)
   state = (params, tx.init(params))
   batches = [(randn(batch, 12, 12, 1, seed=s), labels) for s in range(3)]
-  train_loop(reference, spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs), state,
-             batches, rtol=1e-4, atol=1e-5)
+  plan = train_loop(reference, spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs),
+                    state, batches, rtol=1e-4, atol=1e-5)
+  # data parallel: the gradients (and the loss) all-reduced once, nothing else
+  assert {(c.kind, c.axes) for c in plan.collectives} == {("all-reduce", ("data",))}
+  assert plan.total_bytes == 4 * (sum(p.size for p in jax.tree.leaves(params)) + 1)
 
 
 # --- the MNIST example's TrainState step: a dict batch, dropout's rng, remat, bfloat16 ------------
@@ -173,10 +176,13 @@ def test_linen_resnet_batchnorm_train_and_eval(mesh, batch):
   in_specs, reference = (None, None, None, P("data"), P("data")), jax.jit(step)
   state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
   batches = [(randn(batch, 8, 8, 3, seed=s), labels) for s in range(3)]
-  train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state, batches,
-             rtol=1e-4, atol=1e-4)
-  assert_partitioned_matches(evaluate, (variables, images), (None, P("data")), mesh,
+  plan = train_loop(reference, spmd.partition(step, mesh=mesh, in_specs=in_specs), state,
+                    batches, rtol=1e-4, atol=1e-4)
+  # the gradients and the batch statistics all-reduced over "data", nothing else
+  assert {(c.kind, c.axes) for c in plan.collectives} == {("all-reduce", ("data",))}
+  plan = assert_partitioned_matches(evaluate, (variables, images), (None, P("data")), mesh,
                              reference=jax.jit(evaluate), rtol=1e-4, atol=1e-5)
+  assert not plan.collectives  # running averages: every image on its own
 
 
 # --- linen recurrent networks: nn.RNN over LSTM / GRU cells, nn.scan (examples/sort, seq2seq) ----
