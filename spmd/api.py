@@ -78,6 +78,13 @@ class _Compiled:
   out_tree: Any
   steady: bool         # called as compiled ahead of time: inputs split evenly, one process
   watched: tuple[int, ...]  # leaves whose plan depends on whether they arrive committed
+  graph_out: bool      # the outputs hold NNX modules, flattened by nnx.to_tree
+
+  def outputs(self, flat: Sequence[Any]) -> Any:
+    """The function's outputs from the program's flat ones (NNX modules rebuilt with their
+    shared variables shared, as nnx.jit returns them)."""
+    out = tree_unflatten(self.out_tree, flat)
+    return sys.modules["flax.nnx"].from_tree(out) if self.graph_out else out
 
   @functools.cached_property
   def executable(self) -> jax.stages.Compiled:
@@ -173,21 +180,21 @@ class Partitioned:
     if steady is not None:
       outs = steady.call(leaves)
       if outs is not None:
-        return tree_unflatten(steady.compiled.out_tree, outs)
+        return steady.compiled.outputs(outs)
     key = _dispatch_key(structure, leaves) if structure is not None else None
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
       compiled, leaves = self._compile(args)
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        return tree_unflatten(compiled.out_tree, compiled.call(*leaves))
+        return compiled.outputs(compiled.call(*leaves))
       if key is not None:
         self._dispatch[key] = compiled
     if compiled.steady and key is not None:
       self._steady[structure] = _Steady.of(compiled, leaves)
-      return tree_unflatten(compiled.out_tree, compiled.executable(*leaves))
+      return compiled.outputs(compiled.executable(*leaves))
     leaves = self._placed(compiled.analysis, leaves)
-    return tree_unflatten(compiled.out_tree, compiled.fn(*leaves))
+    return compiled.outputs(compiled.fn(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -295,8 +302,9 @@ class Partitioned:
       full = list(args)
       for i, value in zip(dyn_idx, tree_unflatten(in_tree, flat)):
         full[i] = value
-      out_leaves, out_tree = tree_flatten(self.fun(*full))
-      out_store.append(out_tree)
+      out, graph_out = _graph_as_tree(self.fun(*full))
+      out_leaves, out_tree = tree_flatten(out)
+      out_store.append((out_tree, graph_out))
       return out_leaves
 
     # Traced under the mesh (its own axis types: bare-spec constraints and Explicit-mode
@@ -311,7 +319,7 @@ class Partitioned:
         if clearer is None:
           raise
         raise clearer from None
-    out_tree = out_store[-1]
+    out_tree, graph_out = out_store[-1]
     program = build_program(closed)
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
@@ -341,7 +349,7 @@ class Partitioned:
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
     return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
-                     steady, watched)
+                     steady, watched, graph_out)
 
   def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
@@ -521,6 +529,18 @@ def _graph_node_positions(args: tuple) -> tuple[int, ...]:
   if nnx is None:
     return ()
   return tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
+
+
+def _graph_as_tree(out: Any) -> tuple[Any, bool]:
+  """``out`` with its NNX modules as trees of their state in which a variable two of them share
+  stays one (``nnx.to_tree``, as nnx.jit returns modules), and whether it held any (a
+  variable alone, as in an ``nnx.State``, is no module)."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None or not any(
+      nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+      for x in jax.tree_util.tree_leaves(out, is_leaf=nnx.graph.is_graph_node)):
+    return out, False
+  return nnx.to_tree(out), True
 
 
 def _names_logical(spec: Any, mesh: Mesh) -> bool:

@@ -551,6 +551,70 @@ def test_nnx_modules_passed_by_keyword_are_updated():
   check_plan(partitioned, model, optimizer=optimizer, batch=batch)
 
 
+# --- NNX toy example 10 (FSDP and optimizer): a hand-written optimizer sharing the model's params --
+
+class ShardedMLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.w1 = nnx.Param(init(rngs.params(), (1, 32)), out_sharding=(None, "model"))
+    self.b1 = nnx.Param(jnp.zeros((32,)), out_sharding=("model",))
+    self.w2 = nnx.Param(init(rngs.params(), (32, 1)), out_sharding=("model", None))
+
+  def __call__(self, x):
+    return nnx.relu(x @ self.w1 + self.b1) @ self.w2
+
+
+class MomentumState(nnx.Variable):
+  pass
+
+
+class MomentumSGD(nnx.Pytree):
+  def __init__(self, params: nnx.State, lr: float, decay: float = 0.9):
+    self.lr, self.decay = lr, decay
+    self.params = nnx.data(params)  # the model's own variables
+    self.momentum = nnx.data(jax.tree.map(
+        lambda v: MomentumState(jnp.zeros_like(v[...]), **v.get_metadata()), self.params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+  def update(self, grads: nnx.State):
+    def update_fn(param, momentum, grad):
+      momentum[...] = self.decay * momentum[...] + (1 - self.decay) * grad[...]
+      param[...] -= self.lr * momentum[...]
+
+    jax.tree.map(update_fn, self.params, self.momentum, grads,
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def test_nnx_modules_returned_keep_shared_variables():
+  """``create_model`` returns a model and an optimizer holding the model's own variables: they
+  come back shared (as from nnx.jit), so the optimizer's updates train the model."""
+  def create_model():
+    model = ShardedMLP(nnx.Rngs(0))
+    return model, MomentumSGD(nnx.variables(model, nnx.Param), 0.01)
+
+  def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((y - m(x)) ** 2))(model)
+    optimizer.update(grads)
+    return loss
+
+  mesh = mesh_of("2x4")
+  model, optimizer = spmd.partition(create_model, mesh=mesh)()
+  assert optimizer.params["w1"] is model.w1
+  assert model.w1[...].sharding.spec == P(None, "model")
+  with jax.set_mesh(mesh):
+    reference = nnx.jit(create_model)()
+  step = spmd.partition(train_step, mesh=mesh, in_specs=(None, None, P("data"), P("data")))
+  jitted = nnx.jit(train_step)
+  x = np.linspace(-2, 2, 32, dtype=np.float32)[:, None]
+  for s in range(3):
+    y = 0.8 * x ** 2 + 0.1 * s
+    with jax.set_mesh(mesh):
+      want = jitted(*reference, x, y)
+    assert_trees_match(step(model, optimizer, x, y), want, rtol=1e-5, atol=1e-6)
+  assert_trees_match(nnx.state(model), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
+  check_plan(step, model, optimizer, x, y)
+
+
 # --- NNX Transformer with logical names (nnx.with_partitioning) resolved by rules ---------------
 
 NNX_RULES = (("batch", "data"), ("vocab", "model"), ("mlp", "model"), ("heads", "model"),
