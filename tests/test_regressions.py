@@ -249,3 +249,31 @@ def test_a_mesh_axis_of_size_one_splits_nothing():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16)), jnp.float32)
   plan = assert_partitioned_matches(f, (x,), (P("model", None),), {"data": 8, "model": 1})
   assert not plan.collectives
+
+
+def test_associative_scan_over_a_sharded_dim():
+  """``lax.associative_scan`` halves its dim with strided slices down to one row, then slices
+  that row's odd rows: an empty result, whose window had no output block to divide by (a
+  ZeroDivisionError in halo_geometry). An op with empty results is a constant, as XLA's simplifier
+  makes it (fold.py)."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)
+  assert_partitioned_matches(lambda x: jax.lax.associative_scan(jnp.add, x, axis=0), (x,),
+                             (P("x"),), "x8")
+
+
+def test_empty_slices_move_nothing():
+  """Empty slices of a sharded dim, at the top level and in a scan body, read nothing: no
+  collective for them, and no empty operand handed to the manual computation (Shardy rejects a
+  program whose manual computation reads only an empty constant)."""
+  def scanned(x):
+    def body(c, r):
+      return c + r[2:2].sum() + r.sum(), r[1::2][:0]
+    return jax.lax.scan(body, 0., x)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)
+  plan = assert_partitioned_matches(lambda x: x[3:3].sum(0) + x[1::2][:0].sum(0), (x,),
+                                    (P("x"),), "x8")
+  assert not plan.collectives
+  plan = assert_partitioned_matches(scanned, (x.T,), (P(None, "x"),), "x8")
+  assert [c.kind for c in plan.collectives] == ["all-reduce"]
+

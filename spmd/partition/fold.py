@@ -6,10 +6,11 @@ elements are all equal becomes a broadcast). A folded value is computed whole on
 where the program is lowered (``const_arrays``), which XLA folds; nothing runs when planning.
 
 As in XLA, broadcasts stay ops (cheap to make, large to hold) yet count as constants for the ops
-reading them, iotas are not constants, and nothing larger than XLA's bound is folded. An
+reading them, iotas are not constants, and nothing larger than XLA's bound is folded. An op whose
+results hold no elements is an empty constant whatever it reads (XLA's simplifier replaces it). An
 identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
 and its result counts as a constant too.
-Only the top-level program is folded; region bodies are left as they are.
+Only the top-level program is folded; in region bodies only the ops with empty results are.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmd.partition.primitives import bind, describe, operands
@@ -46,6 +48,12 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
   kept: list[Op] = []
   folded: list[Value] = []
   for op in ops:
+    if _empty(op) and _foldable(op):
+      makers.update((v, op) for v in op.outputs)
+      for v in op.outputs:
+        v.const = Folded(makers)
+        folded.append(v)
+      continue
     if not all(not hasattr(x, "id") or x.const is not None or x in makers for x in op.inputs):
       kept.append(op)
       continue
@@ -61,6 +69,30 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
       v.const = Folded(makers)
       folded.append(v)
   return kept, folded
+
+
+def fold_region_empties(ops: list[Op]) -> list[Value]:
+  """Folds the ops with empty results in the bodies of ``ops``' regions (at any depth), as
+  ``fold_constants`` does at the top level, and returns their values: they read nothing."""
+  folded: list[Value] = []
+  for op in ops:
+    for region in op.regions:
+      kept = []
+      for inner in region.ops:
+        if _empty(inner) and _foldable(inner):
+          for v in inner.outputs:
+            v.const = Folded({v: inner})
+            folded.append(v)
+        else:
+          kept.append(inner)
+      region.ops = kept
+      folded += fold_region_empties(kept)
+  return folded
+
+
+def _empty(op: Op) -> bool:
+  """Whether every result of ``op`` holds no elements."""
+  return bool(op.outputs) and all(v.size == 0 for v in op.outputs)
 
 
 def _is_identity(op: Op) -> bool:
@@ -94,6 +126,8 @@ def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
     if x not in env:
       if x not in makers:
         env[x] = x.const
+      elif _empty(makers[x]):
+        env[x] = jnp.zeros(x.aval.shape, x.aval.dtype)  # made in the program: no 0-size operand
       else:
         op = makers[x]
         args = [read(a, makers) for a in op.inputs]

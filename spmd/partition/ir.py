@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.partition.fold import fold_constants
+from spmd.partition.fold import fold_constants, fold_region_empties
 from spmd.partition.jax_compat import open_jaxpr
 from spmd.partition.primitives import SHARDING_PARAMS, describe
 from spmd.partition.roll import fuse_rolls
@@ -383,6 +383,7 @@ def build_program(closed: jcore.ClosedJaxpr) -> Program:
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
   ops, folded = fold_constants(ops)
+  folded += fold_region_empties(ops)
   fuse_rolls(ops)
   program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())
   for index, op in enumerate(program.all_ops()):
