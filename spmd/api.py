@@ -23,6 +23,7 @@ from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.annotation import restate_spec_error
 from spmd.partition.ir import build_program
+from spmd.partition.jax_compat import lowering_platform
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.planner import Analysis, Boundary, analyze
@@ -320,7 +321,7 @@ class Partitioned:
           raise
         raise clearer from None
     out_tree, graph_out = out_store[-1]
-    program = build_program(closed)
+    program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     evaluate = functools.partial(analyze, program, mesh=self._mesh_shape,

@@ -7,14 +7,15 @@ warning repeats; tests/test_coverage.py fails for a primitive of JAX's that is i
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from jax.extend.core import Primitive
 
 from spmd.partition import local
 from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
-from spmd.partition.jax_compat import primitives_named
-from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Linearity, PrimitiveInfo)
+from spmd.partition.jax_compat import open_jaxpr, primitives_named
+from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Inline, Linearity,
+                                      PrimitiveInfo)
 from spmd.partition.roll import roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
@@ -66,7 +67,6 @@ REPLICATED: dict[str, str] = {
     "approx_top_k": "no rule yet: the reduced dim must be whole (as top_k)",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
-    "custom_linear_solve": "its solve and matvec bodies run on whole operands",
     "linear_call": "its callee and transpose bodies run on whole operands",
     "composite": "a composite's decomposition runs on whole operands",
 }
@@ -93,6 +93,26 @@ INLINED_CALLS = {
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
     "remat2": "jaxpr", "checkpoint": "jaxpr",
 }
+
+
+def call_body(param: str) -> Inline:
+  """A call's body is its ``param``, reading the call's last operands."""
+  def body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+    if param not in params:
+      return None
+    jaxpr = params[param]
+    return jaxpr, inputs[len(inputs) - len(open_jaxpr(jaxpr)[0].invars):]
+  return body
+
+
+def linear_solve_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple]:
+  """``custom_linear_solve`` (``jnp.linalg.solve`` / ``inv``) evaluates its solve body on the
+  solve's consts and ``b``, as JAX lowers it; its other bodies serve differentiation, which the
+  traced program has already done."""
+  lengths = params["const_lengths"]
+  start = lengths.matvec + lengths.vecmat
+  return params["jaxprs"].solve, (*inputs[start:start + lengths.solve], *inputs[sum(lengths):])
+
 
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
@@ -181,7 +201,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("fft",), PrimitiveInfo(linalg.batched(linalg.fft_axes))),
       # control flow and calls
       *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
-      *(((name,), PrimitiveInfo(inline=param)) for name, param in INLINED_CALLS.items()),
+      *(((name,), PrimitiveInfo(inline=call_body(param))) for name, param in INLINED_CALLS.items()),
+      (("custom_linear_solve",), PrimitiveInfo(inline=linear_solve_body)),
       *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
         for name, why in REPLICATED.items()),
   ]

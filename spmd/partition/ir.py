@@ -136,7 +136,8 @@ def source_line(source_info: source_info_util.SourceInfo) -> str:
 
 
 class _Builder:
-  def __init__(self) -> None:
+  def __init__(self, platform: str) -> None:
+    self.platform = platform
     self.counter = itertools.count()
     self.consts: list[Value] = []
     # A program's equations come from a few hundred distinct tracebacks (equal tracebacks hash
@@ -176,10 +177,9 @@ class _Builder:
       info = describe(eqn.primitive)
       source = self.source(eqn) or call_site
       stack = outer + eqn.source_info.name_stack
-      if info is not None and info.inline in eqn.params:
-        body = eqn.params[info.inline]
-        inner_inputs = inputs[len(inputs) - len(open_jaxpr(body)[0].invars):]
-        inlined = self.region(body, inner_inputs, source, stack)
+      inline = _inlined(eqn, info, inputs, self.platform)
+      if inline is not None:
+        inlined = self.region(*inline, source, stack)
         ops.extend(inlined.ops)
         for var, atom in zip(eqn.outvars, inlined.outputs):
           env[var] = atom
@@ -193,6 +193,23 @@ class _Builder:
         op.regions = tuple(self.region(c, call_site=source, outer=stack) for c in closed)
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
+
+
+def _inlined(eqn: Any, info: Any, inputs: tuple[Atom, ...],
+             platform: str) -> tuple[Any, tuple[Atom, ...]] | None:
+  """The body an equation stands for and its inputs, to inline: a call's, or the branch of a
+  platform-dependent ``cond`` (``lax.platform_dependent``: ``jnp.diagonal``, linear algebra) for
+  ``platform``, the one JAX keeps when it lowers; None for any other equation."""
+  if info is not None and info.inline is not None:
+    return info.inline(eqn.params, inputs)
+  platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+  if platforms is None:
+    return None
+  for branch, names in zip(eqn.params["branches"], platforms):
+    if names is None or platform in names:
+      return branch, inputs[1:]
+  raise ValueError(f"{source_line(eqn.source_info)}: lax.platform_dependent has no branch for "
+                   f"{platform!r} (it has {[n for n in platforms if n]}) and no default")
 
 
 def _as_list(x: Any) -> list:
@@ -375,11 +392,12 @@ def literal_key(val: Any) -> Any:
   return (array.dtype.str, array.item()) if array.ndim == 0 else repr(val)
 
 
-def build_program(closed: jcore.ClosedJaxpr) -> Program:
+def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged,
   constants folded, rolls made one op, dead ops dropped, loop invariants read from outside their
-  loops, ops numbered depth-first."""
-  builder = _Builder()
+  loops, ops numbered depth-first. ``platform`` (as JAX lowers for it: "cpu", "cuda", "tpu")
+  picks the branch of each platform-dependent cond."""
+  builder = _Builder(platform)
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
   ops, folded = fold_constants(ops)

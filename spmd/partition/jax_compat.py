@@ -74,6 +74,12 @@ def primitives_named(*names: str) -> tuple[jcore.Primitive, ...]:
   return tuple(p for n in names for p in table.get(n, ()))
 
 
+def lowering_platform(device: Any) -> str:
+  """The platform JAX lowers programs for ``device`` to ("gpu" devices: "cuda" or "rocm")."""
+  from jax._src import xla_bridge  # noqa: PLC0415 (JAX's own name resolution; no public API)
+  return xla_bridge.canonicalize_platform(device.platform)
+
+
 def set_cpu_device_count(count: int) -> None:
   """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
   jax.config.update("jax_num_cpu_devices", count)

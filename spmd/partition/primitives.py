@@ -55,6 +55,11 @@ class ControlFlow:
   invariants: Callable[["Op"], list]         # -> rules.control.Invariant per loop-invariant input
 
 
+# (equation params, operands) -> (the closed jaxpr the equation evaluates, its operands), or None
+# where the params hold no body (releases name them differently)
+Inline = Callable[[Mapping[str, Any], tuple], "tuple[Any, tuple] | None"]
+
+
 @dataclass(frozen=True)
 class PrimitiveInfo:
   """Everything spmd knows about one primitive."""
@@ -63,7 +68,7 @@ class PrimitiveInfo:
   linear: Linearity = NONLINEAR
   local: LocalFn | None = None        # None: re-bind on the local operands
   control: ControlFlow | None = None
-  inline: str | None = None           # a call: the param whose body is inlined into the program
+  inline: Inline | None = None        # a call: the body inlined into the program, and its inputs
   annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
   reason: str = ""                    # why a primitive without a rule runs replicated
   stateful: bool = False              # each application draws new values: never merged (cse_key)
