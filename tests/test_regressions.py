@@ -304,3 +304,14 @@ def test_batched_solve_and_inverse_split_their_batch():
   plan = assert_partitioned_matches(grad, (a, b), (P("x"), P("x")), "x8", rtol=1e-4, atol=1e-4)
   assert not plan.collectives
 
+
+def test_a_scans_unread_stacked_outputs_are_dropped():
+  """A scan's stacked output nothing reads is dropped with the body ops computing it, as XLA
+  drops a loop's dead tuple elements: here its uneven carry's sum, an all-reduce the plan
+  counted and the compiled program lacks."""
+  def f(x):
+    return jax.lax.scan(lambda c, r: (c * 0.5 + r, c.sum()), jnp.zeros(10), x)[0]
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 10)), jnp.float32)
+  plan = assert_partitioned_matches(f, (x,), (P(None, "x"),), "x4")
+  assert {c.kind for c in plan.collectives} == {"all-gather"}

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.fold import fold_constants, fold_region_empties
-from spmd.partition.jax_compat import open_jaxpr
+from spmd.partition.jax_compat import open_jaxpr, scan_layout
 from spmd.partition.primitives import SHARDING_PARAMS, describe
 from spmd.partition.roll import fuse_rolls
 
@@ -229,11 +229,23 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
   for op in reversed(ops):
     if not op.eqn.effects and not any(v in live for v in op.outputs):
       continue
+    if op.primitive == "scan":
+      _drop_dead_stacked_outputs(op, live)
     for region in op.regions:
       region.ops = _prune(region.ops, region.outputs)
     live.update(a for a in op.inputs if isinstance(a, Value))
     kept.append(op)
   return kept[::-1]
+
+
+def _drop_dead_stacked_outputs(scan: Op, live: set) -> None:
+  """A scan's stacked outputs that nothing reads leave it, with the body outputs they stack (XLA
+  drops a loop's dead tuple elements, and the body ops computing only them)."""
+  carries = scan_layout(scan.params).num_carry
+  keep = [j for j, v in enumerate(scan.outputs) if j < carries or v in live]
+  body = scan.regions[0]
+  scan.outputs = tuple(scan.outputs[j] for j in keep)
+  body.outputs = tuple(body.outputs[j] for j in keep)
 
 
 def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[Atom, ...]]:
