@@ -139,3 +139,15 @@ def test_reusing_a_donated_array_is_jax_error(mesh):
       call()
   with pytest.raises(RuntimeError, match="Array has been deleted"):
     np.asarray(x)
+
+
+def test_a_shard_map_inside_is_refused_with_the_reason(mesh):
+  """A user's jax.shard_map cannot nest in the one shard_map spmd emits: the error says so and
+  names the line, where JAX's own was a KeyError from re-binding it."""
+  def f(x):
+    inner = jax.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    return inner(x) + 1
+
+  g = spmd.partition(f, mesh=mesh, in_specs=P("data"))
+  with pytest.raises(NotImplementedError, match=r"test_errors.py:\d+.*shard_map inside a partit"):
+    g(jnp.ones((8, 8)))

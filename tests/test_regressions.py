@@ -315,3 +315,17 @@ def test_a_scans_unread_stacked_outputs_are_dropped():
   x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 10)), jnp.float32)
   plan = assert_partitioned_matches(f, (x,), (P(None, "x"),), "x4")
   assert {c.kind for c in plan.collectives} == {"all-gather"}
+
+
+def test_linear_call_is_its_callee():
+  """``linear_call`` (a linear function with a custom transpose) ran replicated, and re-binding
+  its callee on the local shards failed on the manual mesh; it is a call of its callee, inlined,
+  forward and transposed."""
+  def f(w, x):
+    def scaled(y):
+      return jax.custom_derivatives.linear_call(lambda w, y: y * w, lambda w, ct: ct * w, w, y)
+    return jax.grad(lambda x: (scaled(x) * x).sum())(x)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)
+  plan = assert_partitioned_matches(f, (jnp.float32(3.0), x), (P(), P("a")), "a2b4")
+  assert not plan.collectives

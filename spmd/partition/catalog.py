@@ -3,7 +3,8 @@
 Adding a primitive, or following a JAX release that adds or renames one, is an entry here.
 Names absent from the installed JAX are skipped (``jax_compat.primitives_named``). Primitives
 that run replicated on purpose are listed in ``REPLICATED`` with the reason, which the plan's
-warning repeats; tests/test_coverage.py fails for a primitive of JAX's that is in neither.
+warning repeats, and those spmd refuses in ``UNSUPPORTED``, whose reason its error gives;
+tests/test_coverage.py fails for a primitive of JAX's that is in none of these.
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ REPLICATED: dict[str, str] = {
     "iota_2x32_shape": "no rule yet: its values depend on the global position, as iota's do",
     "to_edtype": "no rule yet: converts to an extended dtype that drops trailing dims",
     "from_edtype": "no rule yet: converts from an extended dtype that adds trailing dims",
-    "shard_map": "a nested manual region: spmd does not partition inside shard_map",
     "pure_callback": "a host callback sees whole arrays",
     "io_callback": "a host callback sees whole arrays",
     "debug_callback": "a host callback sees whole arrays",
@@ -67,8 +67,14 @@ REPLICATED: dict[str, str] = {
     "approx_top_k": "no rule yet: the reduced dim must be whole (as top_k)",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
-    "linear_call": "its callee and transpose bodies run on whole operands",
     "composite": "a composite's decomposition runs on whole operands",
+}
+
+# Primitives spmd cannot place in its program at all, each with the reason (an error names it).
+UNSUPPORTED: dict[str, str] = {
+    "shard_map": "jax.shard_map inside a partitioned function is not supported: spmd emits the "
+                 "whole program as one shard_map over the mesh and cannot nest a manual region "
+                 "in it; partition the function without it, or call the shard_map outside",
 }
 
 # Primitives whose every application draws new values from the device's generator state (no key
@@ -91,7 +97,7 @@ INLINED_CALLS = {
     "call": "call_jaxpr", "eval_jaxpr": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
     "custom_jvp_call_jaxpr": "fun_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
-    "remat2": "jaxpr", "checkpoint": "jaxpr",
+    "remat2": "jaxpr", "checkpoint": "jaxpr", "linear_call": "callee",
 }
 
 
@@ -205,6 +211,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("custom_linear_solve",), PrimitiveInfo(inline=linear_solve_body)),
       *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
         for name, why in REPLICATED.items()),
+      *(((name,), PrimitiveInfo(unsupported=why)) for name, why in UNSUPPORTED.items()),
   ]
 
 

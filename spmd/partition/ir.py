@@ -176,6 +176,8 @@ class _Builder:
       inputs = tuple(_read(env, v) for v in eqn.invars)
       info = describe(eqn.primitive)
       source = self.source(eqn) or call_site
+      if info is not None and info.unsupported:
+        raise NotImplementedError(f"{source}: {info.unsupported}")
       stack = outer + eqn.source_info.name_stack
       inline = _inlined(eqn, info, inputs, self.platform)
       if inline is not None:

@@ -71,6 +71,7 @@ class PrimitiveInfo:
   inline: Inline | None = None        # a call: the body inlined into the program, and its inputs
   annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
   reason: str = ""                    # why a primitive without a rule runs replicated
+  unsupported: str = ""               # why spmd refuses a program holding it (an error says)
   stateful: bool = False              # each application draws new values: never merged (cse_key)
 
 
