@@ -8,8 +8,10 @@ tests/test_coverage.py fails for a primitive of JAX's that is in none of these.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
+import jax
 from jax.extend.core import Primitive
 
 from spmd.partition import local
@@ -47,7 +49,7 @@ REPLICATED: dict[str, str] = {
        all_gather_reduced_start all_to_all_start all_to_all_done pbroadcast_start pbroadcast_done
        ppermute_start ppermute_done psum_start psum_done psum_invariant_start reduce_scatter_start
        reduce_scatter_done unreduced_psum_start unreduced_reduce_scatter_start""".split()},
-    **{n: INTERNAL for n in """custom_lin remat_opt call_hi_primitive stage tie dce_sink
+    **{n: INTERNAL for n in """custom_lin remat_opt stage tie dce_sink
        unreachable empty empty2""".split()},
     **{n: REF for n in "new_ref empty_ref free_ref freeze accum_grad_in_ref".split()},
     "create_token": "a token holds no array data",
@@ -118,6 +120,15 @@ def linear_solve_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tu
   lengths = params["const_lengths"]
   start = lengths.matvec + lengths.vecmat
   return params["jaxprs"].solve, (*inputs[start:start + lengths.solve], *inputs[sum(lengths):])
+
+
+def hi_primitive_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple]:
+  """``call_hi_primitive`` (JAX 0.12's "hijax" ops: ``jnp.nonzero(size=...)``, ``jnp.unique``) is
+  its expansion into ordinary primitives, traced here as JAX expands it when it lowers."""
+  (call,) = primitives_named("call_hi_primitive")
+  expand = functools.partial(call.to_lojax, _prim=params["_prim"])
+  return jax.make_jaxpr(expand)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
+                                  for x in inputs)), inputs
 
 
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
@@ -209,6 +220,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
       *(((name,), PrimitiveInfo(inline=call_body(param))) for name, param in INLINED_CALLS.items()),
       (("custom_linear_solve",), PrimitiveInfo(inline=linear_solve_body)),
+      (("call_hi_primitive",), PrimitiveInfo(inline=hi_primitive_body)),
       *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
         for name, why in REPLICATED.items()),
       *(((name,), PrimitiveInfo(unsupported=why)) for name, why in UNSUPPORTED.items()),
