@@ -3,8 +3,7 @@
 Adding a primitive, or following a JAX release that adds or renames one, is an entry here.
 Names absent from the installed JAX are skipped (``jax_compat.primitives_named``). Primitives
 that run replicated on purpose are listed in ``REPLICATED`` with the reason, which the plan's
-warning repeats, and those spmd refuses in ``UNSUPPORTED``, whose reason its error gives;
-tests/test_coverage.py fails for a primitive of JAX's that is in none of these.
+warning repeats; tests/test_coverage.py fails for a primitive of JAX's that is in neither.
 """
 from __future__ import annotations
 
@@ -14,11 +13,11 @@ from typing import Any, Mapping
 import jax
 from jax.extend.core import Primitive
 
-from spmd.partition import local
+from spmd.partition import local, manual
 from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Inline, Linearity,
-                                      PrimitiveInfo)
+                                      Manual, PrimitiveInfo)
 from spmd.partition.roll import roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
@@ -70,13 +69,6 @@ REPLICATED: dict[str, str] = {
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
     "composite": "a composite's decomposition runs on whole operands",
-}
-
-# Primitives spmd cannot place in its program at all, each with the reason (an error names it).
-UNSUPPORTED: dict[str, str] = {
-    "shard_map": "jax.shard_map inside a partitioned function is not supported: spmd emits the "
-                 "whole program as one shard_map over the mesh and cannot nest a manual region "
-                 "in it; partition the function without it, or call the shard_map outside",
 }
 
 # Primitives whose every application draws new values from the device's generator state (no key
@@ -223,7 +215,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("call_hi_primitive",), PrimitiveInfo(inline=hi_primitive_body)),
       *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
         for name, why in REPLICATED.items()),
-      *(((name,), PrimitiveInfo(unsupported=why)) for name, why in UNSUPPORTED.items()),
+      (("shard_map",), PrimitiveInfo(manual.rule, local=manual.lower, manual=Manual(
+          manual.specs, manual.shardings, manual.collectives, manual.bind_whole))),
   ]
 
 

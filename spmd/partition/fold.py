@@ -102,11 +102,11 @@ def _is_identity(op: Op) -> bool:
 
 
 def _foldable(op: Op) -> bool:
-  """Pure, without regions, not an iota (XLA keeps iotas), results of plain dtypes, and within
-  XLA's bound."""
+  """Pure, without regions, not an iota (XLA keeps iotas) or a user's shard_map (its body's
+  collectives run), results of plain dtypes, and within XLA's bound."""
   info = describe(op.eqn.primitive)
   if (op.regions or op.eqn.effects or op.primitive == "iota"
-      or (info is not None and info.stateful)):
+      or (info is not None and (info.stateful or info.manual is not None))):
     return False
   avals = [x.aval for x in (*op.inputs, *op.outputs)]
   if any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in avals):

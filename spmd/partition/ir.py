@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.partition.fold import fold_constants, fold_region_empties
 from spmd.partition.jax_compat import open_jaxpr, scan_layout
-from spmd.partition.primitives import SHARDING_PARAMS, describe
+from spmd.partition.primitives import SHARDING_PARAMS, PrimitiveInfo, describe
 from spmd.partition.roll import fuse_rolls
 
 _ids = itertools.count()
@@ -176,9 +176,10 @@ class _Builder:
       inputs = tuple(_read(env, v) for v in eqn.invars)
       info = describe(eqn.primitive)
       source = self.source(eqn) or call_site
-      if info is not None and info.unsupported:
-        raise NotImplementedError(f"{source}: {info.unsupported}")
       stack = outer + eqn.source_info.name_stack
+      if info is not None and info.manual is not None:
+        self._manual(eqn, info, inputs, env, ops, source, stack)
+        continue
       inline = _inlined(eqn, info, inputs, self.platform)
       if inline is not None:
         inlined = self.region(*inline, source, stack)
@@ -195,6 +196,33 @@ class _Builder:
         op.regions = tuple(self.region(c, call_site=source, outer=stack) for c in closed)
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
+
+  def _manual(self, eqn: Any, info: PrimitiveInfo, inputs: tuple[Atom, ...], env: dict, ops: list[Op],
+              source: str, stack: Any) -> None:
+    """A user's shard_map (manual.py): its operands pinned to its in_specs and its results to its
+    out_specs by annotations around it, as JAX's lowering marks them (a sharding custom call on
+    each side), so that propagation carries its shardings to its neighbours."""
+    try:
+      in_specs, out_specs = info.manual.specs(eqn.params)
+    except NotImplementedError as e:
+      raise NotImplementedError(f"{source}: {e}") from None
+    pinned = tuple(self._pin(x, spec, eqn, source, stack, ops) if isinstance(x, Value) else x
+                   for x, spec in zip(inputs, in_specs))
+    outputs = tuple(Value(v.aval) for v in eqn.outvars)
+    ops.append(Op(next(self.counter), eqn.primitive.name, dict(eqn.params), pinned, outputs,
+                  source, eqn, name_stack=stack))
+    for var, v, spec in zip(eqn.outvars, outputs, out_specs):
+      env[var] = self._pin(v, spec, eqn, source, stack, ops)
+
+  def _pin(self, x: Value, spec: P, eqn: Any, source: str, stack: Any, ops: list[Op]) -> Value:
+    """An annotation asking that ``x`` be sharded as ``spec`` (appended to ``ops``): its result."""
+    from spmd.partition.annotation import annotate_p  # noqa: PLC0415 (annotation.py builds on ir)
+    result = Value(x.aval)
+    params = {"spec": spec}
+    ops.append(Op(next(self.counter), annotate_p.name, params, (x,), (result,), source,
+                  eqn.replace(primitive=annotate_p, params=params, effects=jcore.no_effects),
+                  name_stack=stack))
+    return result
 
 
 def _inlined(eqn: Any, info: Any, inputs: tuple[Atom, ...],

@@ -80,6 +80,25 @@ def lowering_platform(device: Any) -> str:
   return xla_bridge.canonicalize_platform(device.platform)
 
 
+def check_vma(enabled: bool) -> Any:
+  """A context in which primitives type-check their varying manual axes (``enabled``) or not, as
+  inside a ``jax.shard_map(..., check_vma=enabled)``: spmd's own shard_map checks none, a user's
+  body inside it may (its ``psum`` binds ``psum_invariant``, which needs a varying operand)."""
+  from jax._src import config  # noqa: PLC0415 (shard_map's own switch; no public API)
+  return config._check_vma(enabled)  # noqa: SLF001
+
+
+def varying_axes(aval: Any) -> tuple[str, ...]:
+  """The manual mesh axes a value of ``aval`` varies over inside a checked shard_map."""
+  return tuple(sorted(aval.mat.varying))
+
+
+def vary(x: Any, axes: tuple[str, ...]) -> Any:
+  """``x`` typed as varying over ``axes`` too (no data moves: JAX lowers it to nothing)."""
+  missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def set_cpu_device_count(count: int) -> None:
   """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
   jax.config.update("jax_num_cpu_devices", count)

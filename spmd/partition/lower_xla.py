@@ -29,7 +29,12 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
                 jax.lax.with_sharding_constraint(a, named(r))
                 for a, x, r in zip(args, op.inputs, reads[op])]
       info = describe(op.eqn.primitive)  # an annotation's request is in the shardings already
-      outs = args[:1] if info is not None and info.annotation else bind(op, args)
+      if info is not None and info.annotation:
+        outs = args[:1]
+      elif info is not None and info.manual:
+        outs = info.manual.whole(op, args)
+      else:
+        outs = bind(op, args)
       for v, out in zip(op.outputs, outs):
         env[v] = jax.lax.with_sharding_constraint(out, named(shardings[v]))
 

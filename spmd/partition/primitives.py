@@ -55,6 +55,20 @@ class ControlFlow:
   invariants: Callable[["Op"], list]         # -> rules.control.Invariant per loop-invariant input
 
 
+@dataclass(frozen=True)
+class Manual:
+  """A user's manual region (``jax.shard_map``, manual.py): ``specs`` (its params) are the
+  in_specs its operands are resharded to and the out_specs its results are written in, and raise
+  NotImplementedError for a region spmd cannot place; ``shardings`` (op, mesh) are those specs as
+  each operand is read (None: a literal) and each result written; ``collectives`` (op, wire)
+  are its body's own; ``whole`` (op, operands) binds it on whole arrays (backend="xla")."""
+
+  specs: Callable[[Mapping[str, Any]], tuple[tuple[Any, ...], tuple[Any, ...]]]
+  shardings: Callable[["Op", Any], tuple[tuple, tuple]]
+  collectives: Callable[["Op", Any], tuple]
+  whole: Callable[["Op", list], list]
+
+
 # (equation params, operands) -> (the closed jaxpr the equation evaluates, its operands), or None
 # where the params hold no body (releases name them differently)
 Inline = Callable[[Mapping[str, Any], tuple], "tuple[Any, tuple] | None"]
@@ -71,7 +85,7 @@ class PrimitiveInfo:
   inline: Inline | None = None        # a call: the body inlined into the program, and its inputs
   annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
   reason: str = ""                    # why a primitive without a rule runs replicated
-  unsupported: str = ""               # why spmd refuses a program holding it (an error says)
+  manual: Manual | None = None        # a user's shard_map: pinned to its specs, its body run as is
   stateful: bool = False              # each application draws new values: never merged (cse_key)
 
 

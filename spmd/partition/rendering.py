@@ -10,6 +10,7 @@ from jax.tree_util import tree_unflatten
 
 from spmd.partition.halo_geometry import Exchange, Hop
 from spmd.partition.ir import Op, Program, Value, depth_first, layer
+from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation
 from spmd.partition.reshard import ReshardStep
@@ -48,6 +49,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
     by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
                           for step in t.steps if step.communicates]
     by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
+    by_op[s.op.index] += [_body_collective(b, s.op, outer) for b in s.body_collectives]
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, [*s.transfers, *hoisted.get(s.op, ())],
                                           prop.shardings))
@@ -156,6 +158,13 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
                     f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
                     HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
                                  tuple(hop.pairs)))
+
+
+def _body_collective(b: BodyCollective, op: Op, trips: int | None) -> Collective:
+  """A collective a user's shard_map body runs, ``trips`` the runs of the shard_map."""
+  runs = None if trips is None or b.trips is None else trips * b.trips
+  return Collective(b.kind, b.axes, b.bytes, op.index, op.primitive, b.source,
+                    f"its body's {b.primitive}", b.shape, "manual", "manual", runs)
 
 
 def _whole_dim_warnings(s: ScheduledOp, transfers: list[Transfer], shardings: dict) -> list[str]:

@@ -24,7 +24,8 @@ from typing import Hashable, Mapping
 from spmd.partition.execution import Execution, ExecutionPlanner, Price
 from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
 from spmd.partition.ir import Op, Program, Region, Value, depth_first, hashable_or_none
-from spmd.partition.primitives import describe
+from spmd.partition.manual import BodyCollective
+from spmd.partition.primitives import PrimitiveInfo, describe
 from spmd.partition.propagate import Constraint
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -75,6 +76,7 @@ class ScheduledOp:
   execution: Execution | None = None             # None for control flow and annotations
   regions: tuple[RegionSchedule, ...] = ()
   halo_hops: tuple[tuple[Exchange, Hop, int], ...] = ()  # ppermutes of pieces not received before
+  body_collectives: tuple[BodyCollective, ...] = ()  # a user's shard_map: its body's (manual.py)
 
 
 @dataclass(eq=False)
@@ -173,6 +175,8 @@ class _Scheduler:
     if info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
       return self.annotation(op)
     (c,) = constraints
+    if info is not None and info.manual is not None:
+      return self.manual(op, c, info)
     ex = self.executions.plan(c, self.shardings, self.shared_price(op))
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
@@ -205,6 +209,20 @@ class _Scheduler:
     self.forms[result] = self.forms[source]  # the same list: a form made for one serves both
     self.aliases[result] = self.aliases.get(source, source)
     return ScheduledOp(op, [], (None,), (self.shardings[result],))
+
+  def manual(self, op: Op, c: Constraint, info: PrimitiveInfo) -> ScheduledOp:
+    """A user's shard_map (manual.py) reads its operands as its in_specs name and writes its
+    results as its out_specs name; its body runs its own collectives."""
+    reads, writes = info.manual.shardings(op, self.mesh)
+    transfers: list[Transfer] = []
+    for k, (x, need) in enumerate(zip(op.inputs, reads)):
+      if need is not None:
+        self.acquire(x, need, transfers, Slot("operand", k), op)
+    for v, w in zip(op.outputs, writes):
+      self.forms[v] = [w]
+    ex = Execution(c, ((),) * c.rule.num_factors, reads, writes)
+    return ScheduledOp(op, transfers, reads, writes, ex,
+                       body_collectives=info.manual.collectives(op, self.wire))
 
   def repeat(self, op: Op, first: Op) -> ScheduledOp:
     """An op repeating ``first`` (cse.py) runs nothing: its results are other names for first's,

@@ -1,0 +1,142 @@
+"""A user's ``jax.shard_map`` inside the partitioned function: a manual region placed in spmd's.
+
+spmd's program is one shard_map over every mesh axis, so a user's shard_map over the same mesh
+needs no region of its own: its operands are resharded to the shardings its ``in_specs`` name,
+its body runs on the local shards as written (its collectives and ``axis_index`` name the same
+mesh axes, all manual already), and its results are the blocks its ``out_specs`` name (an axis
+they leave out is one the body's result is invariant over, as JAX's ``check_vma`` guarantees, or
+the user asserts with ``check_vma=False``). The program pins its operands and results to those
+shardings with annotations (ir.py), so that propagation carries them to their neighbours; the plan
+lists the body's own collectives with their bytes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from spmd.partition.ir import source_line
+from spmd.partition.jax_compat import check_vma, open_jaxpr, varying_axes, vary
+from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.wire import Wire
+
+if TYPE_CHECKING:
+  from spmd.partition.ir import Op
+  from spmd.partition.local import Local
+
+# The body's collectives, by primitive: the HLO collective each lowers to, and whether its bytes
+# are its result's (an all-gather's grows) rather than its operand's.
+COLLECTIVES: dict[str, tuple[str, bool]] = {
+    **{name: ("all-reduce", False) for name in ("psum", "psum_invariant", "pmax", "pmin")},
+    **{name: ("all-gather", True) for name in ("all_gather", "all_gather_invariant")},
+    "reduce_scatter": ("reduce-scatter", False),
+    "ppermute": ("collective-permute", False),
+    "all_to_all": ("all-to-all", False),
+}
+
+
+@dataclass(frozen=True)
+class BodyCollective:
+  """One collective a manual region's body runs: ``bytes`` per device (the larger of its input
+  and output, priced for the backend), ``trips`` per run of the region (the lengths of the body's
+  own scans around it; None inside its while loop)."""
+
+  kind: str
+  axes: Axes
+  bytes: int
+  primitive: str
+  source: str
+  shape: str
+  trips: int | None
+
+
+def specs(params: Mapping[str, Any]) -> tuple[tuple[P, ...], tuple[P, ...]]:
+  """The region's in_specs and out_specs; raises NotImplementedError for a region manual over
+  only some mesh axes (auto axes inside), which spmd cannot place in its own. (JAX itself refuses
+  a shard_map over a mesh other than the one spmd traces under.)"""
+  axes = tuple(params["mesh"].axis_names)
+  manual = set(params["newly_manual_axes"])
+  if manual != set(axes):
+    auto = ", ".join(a for a in axes if a not in manual)
+    raise NotImplementedError(
+        f"jax.shard_map with axis_names={sorted(manual)} leaves mesh axes {auto} automatic "
+        "inside its body: spmd places a shard_map only manual over every mesh axis")
+  return tuple(params["in_specs"]), tuple(params["out_specs"])
+
+
+def shardings(op: Op, mesh: MeshShape) -> tuple[tuple[TensorSharding | None, ...],
+                                                tuple[TensorSharding, ...]]:
+  """What each operand is read as (None: a literal) and each result is written as."""
+  ins, outs = specs(op.params)
+  what = f"jax.shard_map at {op.source}"
+  reads = tuple(TensorSharding.from_spec(s, len(x.aval.shape), mesh, what=f"{what}: in_specs")
+                if hasattr(x, "id") else None for x, s in zip(op.inputs, ins))
+  writes = tuple(TensorSharding.from_spec(s, len(v.shape), mesh, what=f"{what}: out_specs")
+                 for v, s in zip(op.outputs, outs))
+  return reads, writes
+
+
+def rule(op: Op) -> OpShardingRule:
+  """Every dim of every operand and result its own factor: the body is opaque, so the op relates
+  none of them to another; the annotations pinning them to the specs carry shardings (ir.py)."""
+  b = RuleBuilder()
+  return b.build([b.factors(x.aval.shape) if hasattr(x, "id") else None for x in op.inputs],
+                 [b.factors(v.shape) for v in op.outputs])
+
+
+def lower(local: Local, args: list) -> list:
+  """The body evaluated on the local shards, each made varying over the axes the body's input
+  varies over where the user's shard_map checks it (``check_vma``), as JAX's shard_map does."""
+  jaxpr, consts = open_jaxpr(local.op.params["jaxpr"])
+  checked = local.op.params["check_vma"]
+  with check_vma(checked):
+    if checked:
+      args = [vary(a, varying_axes(v.aval)) for a, v in zip(args, jaxpr.invars)]
+    return list(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args))
+
+
+def bind_whole(op: Op, args: list) -> list:
+  """The shard_map bound as JAX binds it, on whole arrays (backend="xla", where XLA partitions
+  the program)."""
+  return list(op.eqn.primitive.bind(*args, **op.eqn.primitive.get_bind_params(op.params)))
+
+
+def collectives(op: Op, wire: Wire) -> tuple[BodyCollective, ...]:
+  """The collectives the body runs, as the compiled program lists them (XLA keeps one over mesh
+  axes of size 1 too)."""
+  out = []
+  for eqn, trips in _equations(open_jaxpr(op.params["jaxpr"])[0], 1):
+    found = COLLECTIVES.get(eqn.primitive.name)
+    if found is None:
+      continue
+    kind, by_result = found
+    buffers = eqn.outvars if by_result else eqn.invars
+    nbytes = sum(math.prod(v.aval.shape) * wire(v.aval.dtype) for v in buffers)
+    out.append(BodyCollective(kind, _axes(eqn.params), nbytes, eqn.primitive.name,
+                              source_line(eqn.source_info) or op.source,
+                              ", ".join(v.aval.str_short() for v in eqn.invars), trips))
+  return tuple(out)
+
+
+def _axes(params: Mapping[str, Any]) -> Axes:
+  names = params.get("axes", params.get("axis_name", ()))
+  return tuple(names) if isinstance(names, (tuple, list)) else (names,)
+
+
+def _equations(jaxpr: Any, trips: int | None) -> Iterator[tuple[Any, int | None]]:
+  """Every equation of ``jaxpr`` and of the bodies in its equations' params, with how often it
+  runs per run of ``jaxpr`` times ``trips``: a scan's body ``length`` times, a while loop's an
+  unknown number (None), any other body (a call, each branch of a cond) once."""
+  for eqn in jaxpr.eqns:
+    yield eqn, trips
+    name = eqn.primitive.name
+    inner = (None if trips is None or name == "while"
+             else trips * eqn.params["length"] if name == "scan" else trips)
+    for value in eqn.params.values():
+      for body in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(body, "eqns") or hasattr(getattr(body, "jaxpr", None), "eqns"):
+          yield from _equations(open_jaxpr(body)[0], inner)
