@@ -185,19 +185,42 @@ def test_under_grad():
 
 
 def test_inside_a_scan():
-  """A shard_map in a scan's body runs once per trip: its collectives count that often."""
+  """A shard_map in a scan's body runs once per trip: its collectives count that often. Its
+  result is the carry itself (typed as spmd's program types values, as the carry's input is)."""
   def body(b):
     ring = lax.ppermute(b, "b", [(i, (i + 1) % 4) for i in range(4)])
     return ring + lax.psum(b, "a")
 
   def f(x):
-    step = lambda c, _: (smap(body, P("a", "b"), P("a", "b"))(c) * 0.5, None)  # noqa: E731
+    step = lambda c, _: (smap(body, P("a", "b"), P("a", "b"))(c), None)  # noqa: E731
     return lax.scan(step, x, None, length=3)[0]
 
   x = randn(8, 16)
   plan = assert_partitioned_matches(f, (x,), (P("a", "b"),), MESH)
   assert {(c.kind, c.trips) for c in plan.collectives} == {("collective-permute", 3),
                                                           ("all-reduce", 3)}
+
+
+def test_in_a_cond_branch():
+  """One branch returns the shard_map's result as it is, the other computes on it: both branches
+  give one type. The plan lists each branch's collectives (one runs)."""
+  s = smap(lambda b: lax.psum(jnp.sin(b), "b"), P("a", "b"), P("a"))
+
+  def f(x):
+    return lax.cond(x.sum() > 0, lambda v: s(v) * 2, lambda v: s(v * 3), x)
+
+  x = randn(8, 16)
+  plan = assert_partitioned_matches(f, (x,), (P("a", "b"),), MESH)
+  assert body_kinds(plan) == {"all-reduce": 2 * 4 * 4 * 4}
+
+
+def test_under_jvp():
+  """Forward mode: the tangent's body (psum's linear part) is a second psum in the same body."""
+  s = smap(lambda b: lax.psum(jnp.sin(b), "b"), P("a", "b"), P("a"))
+  x = randn(8, 16)
+  plan = assert_partitioned_matches(lambda x, t: jax.jvp(s, (x,), (t,)), (x, 2 * x),
+                                    (P("a", "b"), P("a", "b")), MESH)
+  assert body_kinds(plan) == {"all-reduce": 2 * 4 * 4 * 4}
 
 
 def test_a_scan_inside_the_body():

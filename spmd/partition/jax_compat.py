@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 # JAX's modules that define the primitives of the programs users write (lax and its control
@@ -97,6 +98,15 @@ def vary(x: Any, axes: tuple[str, ...]) -> Any:
   """``x`` typed as varying over ``axes`` too (no data moves: JAX lowers it to nothing)."""
   missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def unvaried(x: Any) -> Any:
+  """``x`` typed as spmd's own unchecked program types its values, varying over no axis
+  (control flow compares its branches' and carries' types): a select of one case, which lowers
+  to nothing and, unchecked, gives an n-ary op's type."""
+  if not jax.typeof(x).mat.varying:
+    return x
+  return jax.lax.select_n_p.bind(np.zeros((), bool), x)
 
 
 def set_cpu_device_count(count: int) -> None:
