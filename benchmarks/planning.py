@@ -45,7 +45,7 @@ from spmd.train import optimizer_specs  # noqa: E402
 
 # The pipeline's steps, each timed where it is called from: (phase, module, attribute).
 PHASES = (("program", "spmd.api", "build_program"),
-          ("propagate", "spmd.partition.planner", "propagate"),
+          ("propagate", "spmd.partition.planner", "Propagator.__call__"),
           ("schedule", "spmd.partition.planner", "schedule"),
           ("render", "spmd.partition.planner", "render_plan"),
           ("replay", "spmd.partition.lower", "_Interpreter.run"))

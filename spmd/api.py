@@ -26,7 +26,7 @@ from spmd.partition.ir import build_program
 from spmd.partition.jax_compat import lowering_platform
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
-from spmd.partition.planner import Analysis, Boundary, analyze
+from spmd.partition.planner import Analysis, Boundary, Planner
 from spmd.partition.search import device_memory, search
 from spmd.partition.sharding import TensorSharding, mesh_text
 from spmd.plan import Plan
@@ -324,21 +324,20 @@ class Partitioned:
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
     outputs = self._output_specs(out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
-    evaluate = functools.partial(analyze, program, mesh=self._mesh_shape,
-                                 platform=self.mesh.devices.flat[0].platform,
-                                 resolve=self._rules.resolve, backend=self.backend,
-                                 name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
-                                 out_tree=out_tree)
+    planner = Planner(program, self._mesh_shape, platform=self.mesh.devices.flat[0].platform,
+                      resolve=self._rules.resolve, backend=self.backend,
+                      name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
+                      out_tree=out_tree)
     if self.auto:
       limit, source = self.memory_limit, "memory_limit"
       if limit is None:
         limit = device_memory(self.mesh.devices.flat)
         source = "device memory" if limit is not None else "none"
-      analysis, report = search(boundary, ties, self._mesh_shape, limit, source, evaluate)
+      analysis, report = search(boundary, ties, planner, limit, source)
       analysis = dataclasses.replace(analysis,
                                      plan=dataclasses.replace(analysis.plan, search=report))
     else:
-      analysis = evaluate(boundary)
+      analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     fn = lower(analysis, with_auto_axes(self.mesh), donated)

@@ -206,3 +206,49 @@ def test_memory_limit_defaults_to_the_devices_memory(mlp_problem):
                         in_specs=(None, P("data", None))).plan(state, batch)
   assert plan.search.memory_limit is None and plan.search.limit_source == "none"
   assert "no limit: the devices report no memory" in plan.explain()
+
+
+def _loops(x, ws):
+  """Collectives in a scan (10 trips), nested scans (5 x 2) and a while loop (unknown trips)."""
+  def layer(h, w):
+    return jnp.tanh(h @ w), None
+
+  def block(h, w_pair):
+    return jax.lax.scan(layer, h, w_pair)[0], None
+
+  h, _ = jax.lax.scan(layer, x, ws)
+  h, _ = jax.lax.scan(block, h, ws.reshape(5, 2, 16, 16))
+  return jax.lax.while_loop(lambda c: c[1] < 3,
+                            lambda c: (jnp.tanh(c[0] @ ws[0]), c[1] + 1), (h, 0))[0]
+
+
+def _pooled_conv(x, k):
+  """A 3x3 conv and a 3x3/2 max pool: halo exchanges wherever the search splits H or W."""
+  y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+
+
+@pytest.mark.parametrize("fn, args, specs", [
+    (_loops, (jnp.ones((8, 16)), jnp.ones((10, 16, 16)) / 16), (P("data", None), None)),
+    (_pooled_conv, (jnp.linspace(-1, 1, 2 * 16 * 16 * 4).reshape(2, 16, 16, 4),
+                    jnp.linspace(-1, 1, 3 * 3 * 4 * 8).reshape(3, 3, 4, 8)), (None, P())),
+], ids=["loops", "halos"])
+def test_candidates_are_priced_as_their_plans_count(fn, args, specs, monkeypatch):
+  """The search prices each candidate from its schedule without rendering its plan: that price
+  is the rendered plan's step_bytes (loop trips counted, halo exchanges included)."""
+  planner_module = importlib.import_module("spmd.partition.planner")
+  priced = []
+  price = planner_module.Planner.step_bytes
+
+  def checked(self, scheduled):
+    priced.append((price(self, scheduled), self.render(scheduled).plan.step_bytes))
+    return priced[-1][0]
+
+  monkeypatch.setattr(planner_module.Planner, "step_bytes", checked)
+  f = spmd.partition(fn, mesh=_mesh(), auto=True, in_specs=specs)
+  plan = f.plan(*args)
+  assert len({bytes_ for bytes_, _ in priced}) > 2, priced  # candidates that move different bytes
+  assert all(ours == rendered for ours, rendered in priced), priced
+  assert plan.search.step_bytes == plan.step_bytes
+  assert_trees_match(f(*args), jax.jit(fn)(*args), rtol=1e-5, atol=1e-6)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo,
                                           plan_reversal, plan_rotation, plan_scatter_halos)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
-from spmd.partition.reshard import plan_reshard
+from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
@@ -61,20 +61,35 @@ class Execution:
 
 
 class ExecutionPlanner:
-  """Plans each op's execution. The candidate executions of an op depend only on its rule and
-  its tensors' shapes, dtypes and shardings, which a model's layers repeat: they are computed once
-  per such key (with the bytes their results' reshards move); only the operands' prices, which
-  depend on the forms made so far, are taken per op. Lives for one schedule, whose constraints
-  keep their rules alive (rules are keyed by identity)."""
+  """Plans each op's execution, and the reshards between forms. The candidate executions of an
+  op depend only on its rule and its tensors' shapes, dtypes and shardings, which a model's layers
+  repeat: they are computed once per such key (with the bytes their results' reshards move); only
+  the operands' prices, which depend on the forms made so far, are taken per op. Lives as long as
+  the constraints it plans (one program's, shared by every schedule of it), which keep their
+  rules alive (rules are keyed by identity)."""
 
   def __init__(self, mesh: MeshShape, wire: Wire):
     self.mesh, self.wire = mesh, wire
     self._options: dict[tuple, list[tuple[Execution, int]]] = {}
+    self._reshards: dict[tuple, tuple[ReshardStep, ...]] = {}
+    self._signatures: dict[int, tuple] = {}  # per constraint: its rule, tensors' shapes, dtypes
+
+  def reshard(self, v: Value, src: TensorSharding, dst: TensorSharding
+              ) -> tuple[ReshardStep, ...]:
+    """The steps that make ``v`` available as ``dst`` from ``src`` (reshard.py), planned once."""
+    key = (src, dst, v.shape, self.wire(v.dtype))
+    steps = self._reshards.get(key)
+    if steps is None:
+      steps = self._reshards[key] = plan_reshard(src, dst, v.shape, key[3], self.mesh)
+    return steps
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
            price: Price) -> Execution:
-    key = (id(c.rule),) + tuple(None if v is None else (v.shape, v.dtype, shardings[v])
-                                for v in c.tensors())  # propagation shares equal ops' rules
+    signature = self._signatures.get(id(c))
+    if signature is None:  # propagation shares equal ops' rules
+      signature = self._signatures[id(c)] = (id(c.rule), tuple(
+          None if v is None else (v.shape, v.dtype) for v in c.tensors()))
+    key = (signature, tuple(None if v is None else shardings[v] for v in c.tensors()))
     options = self._options.get(key)
     if options is None:
       options = self._options[key] = self._candidates(c, shardings)
@@ -83,7 +98,9 @@ class ExecutionPlanner:
     else:  # the first of equally cheap options
       best = min(options, key=lambda o: o[1] + sum(
           price(v, need) for v, need in zip(c.operands, o[0].needs) if need is not None))[0]
-    return best if best.constraint is c else replace(best, constraint=c)
+    if best.constraint is c:
+      return best
+    return Execution(c, best.factor_axes, best.needs, best.produces, best.halos)
 
   def _candidates(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
                   ) -> list[tuple[Execution, int]]:
@@ -96,8 +113,7 @@ class ExecutionPlanner:
                                       ("reductions", True), ("larger", True)))]
     if len(options) == 1:
       return [(options[0], 0)]
-    return [(ex, sum(sum(s.bytes for s in plan_reshard(made, shardings[v], v.shape,
-                                                       self.wire(v.dtype), self.mesh))
+    return [(ex, sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
                      for v, made in zip(c.results, ex.produces)
                      if made is not None and made != shardings[v]))
             for ex in options]

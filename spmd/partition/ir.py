@@ -5,6 +5,7 @@ whole nested program as one graph. Each ``Op`` keeps its jaxpr equation, so it c
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -86,6 +87,23 @@ class Op:
   def __repr__(self) -> str:
     return f"op{self.index}:{self.primitive}"
 
+  @functools.cached_property
+  def params_key(self) -> tuple | None:
+    """Primitive and params, hashable (None if a param cannot be hashed)."""
+    return hashable_or_none((self.primitive, tuple(sorted(self.params.items()))))
+
+  @functools.cached_property
+  def merge_params(self) -> tuple | None:
+    """Primitive and params as ``cse_key`` compares them (None for ops never merged)."""
+    info = describe(self.eqn.primitive)
+    if self.regions or self.eqn.effects or (info is not None and info.stateful):
+      return None
+    params = _canonical_slice(self) if self.primitive == "slice" else dict(self.params)
+    if info is None or info.annotation is None:
+      params.update({k: None for k in SHARDING_PARAMS
+                     if k in params and not names_mesh_axes(params[k])})
+    return hashable_or_none((self.primitive, tuple(sorted(params.items()))))
+
 
 @dataclass(eq=False)
 class Program:
@@ -94,9 +112,43 @@ class Program:
   outputs: tuple[Atom, ...]
   consts: tuple[Value, ...]
 
-  def all_ops(self) -> list[Op]:
+  def all_ops(self) -> tuple[Op, ...]:
     """Every op, region ops right after their owner, in index order."""
-    return [op for op, _ in depth_first(self.ops)]
+    return tuple(op for op, _ in self.nested_ops)
+
+  @functools.cached_property
+  def nested_ops(self) -> tuple[tuple[Op, int], ...]:
+    """(op, nesting depth) of every op, as ``all_ops`` orders them; read once the program is
+    built (its ops do not change afterwards)."""
+    return tuple(depth_first(self.ops))
+
+  @functools.cached_property
+  def reads(self) -> dict[Value, tuple[tuple[Op, int], ...]]:
+    """Per value: each op reading it and at which operand position, in op order."""
+    out: dict[Value, list[tuple[Op, int]]] = {}
+    for op, _ in self.nested_ops:
+      for k, x in enumerate(op.inputs):
+        if isinstance(x, Value):
+          out.setdefault(x, []).append((op, k))
+    return {v: tuple(readers) for v, readers in out.items()}
+
+  @functools.cached_property
+  def annotations(self) -> tuple[Op, ...]:
+    """The ops that annotate a value (a sharding constraint): their result names their
+    operand."""
+    return tuple(op for op, _ in self.nested_ops if op.inputs and isinstance(op.inputs[0], Value)
+                 and (info := describe(op.eqn.primitive)) is not None
+                 and info.annotation is not None)
+
+  @functools.cached_property
+  def value_depths(self) -> dict[Value, int]:
+    """The depth of the region each value is defined in (0: the program's own; its inputs and
+    constants are left out)."""
+    depths: dict[Value, int] = {}
+    for op, depth in self.nested_ops:
+      depths.update((v, depth) for v in op.outputs)
+      depths.update((v, depth + 1) for region in op.regions for v in region.inputs)
+    return depths
 
 
 def depth_first(items: list, children: Any = lambda item: [r.ops for r in item.regions]
@@ -391,16 +443,18 @@ def _reshapes_in_effect(op: Op) -> bool:
 def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
   """What makes two ops one computation: primitive, params and inputs (``name`` maps a value to
   the value it equals); None for ops never merged (control flow, effects, stateful primitives)."""
-  info = describe(op.eqn.primitive)
-  if op.regions or op.eqn.effects or (info is not None and info.stateful):
+  if op.merge_params is None:
     return None
-  inputs = tuple(name(a).id if isinstance(a, Value) else ("lit", literal_key(a.val), str(a.aval))
-                 for a in op.inputs)
-  params = _canonical_slice(op) if op.primitive == "slice" else dict(op.params)
-  if info is None or info.annotation is None:
-    params.update({k: None for k in SHARDING_PARAMS
-                   if k in params and not names_mesh_axes(params[k])})
-  return hashable_or_none((op.primitive, inputs, tuple(sorted(params.items()))))
+  return op.merge_params, tuple(name(a).id if isinstance(a, Value)
+                                else ("lit", literal_key(a.val), _aval_str(a.aval))
+                                for a in op.inputs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aval_str(aval: Any) -> str:
+  """``str(aval)``, which JAX formats slowly, once per distinct aval: literals compare by it
+  (their avals may differ in a sharding that does not matter here)."""
+  return str(aval)
 
 
 def hashable_or_none(key: tuple) -> tuple | None:

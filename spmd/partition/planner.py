@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.cse import duplicates
+from spmd.partition.execution import ExecutionPlanner
 from spmd.partition.ir import Program, Value
-from spmd.partition.propagate import Origin, Propagation, Seed, propagate
+from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
 from spmd.partition.rendering import render_plan
 from spmd.partition.schedule import Schedule, schedule
 from spmd.partition.sharding import MeshShape, TensorSharding
+from spmd.partition.trips import trip_counts
 from spmd.partition.wire import wire_for
 from spmd.plan import Plan
 
@@ -42,26 +44,72 @@ class Analysis:
   plan: Plan
 
 
-def analyze(program: Program, boundary: Boundary, mesh: MeshShape, *, platform: str,
-            resolve: Callable[[P, str], P], backend: str, name: str, in_tree: Any,
-            out_tree: Any) -> Analysis:
-  """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
-  uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
-  seeds = _seeds(program, boundary, mesh, resolve)
-  prop = propagate(program, seeds, mesh)
-  inputs = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
-                 for v, spec, arrival in zip(program.inputs, boundary.inputs, boundary.arrivals))
-  entries = tuple(spec if spec is not None and arrival is not None and spec != arrival else None
-                  for spec, arrival in zip(boundary.inputs, boundary.arrivals))
-  wanted = [spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
-            else TensorSharding.replicated(len(atom.aval.shape))
-            for atom, spec in zip(program.outputs, boundary.outputs)]
-  outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
-  sched = schedule(program, prop.constraints, prop.shardings, inputs, entries, outputs, mesh,
-                   wire_for(platform), duplicates(program, prop.shardings))
-  plan = render_plan(program, prop, sched, boundary, tuple(wanted), mesh, backend, name, in_tree,
-                     out_tree)
-  return Analysis(program, prop, sched, plan)
+@dataclass(frozen=True)
+class Scheduled:
+  """A boundary's propagation and schedule, before the plan is rendered; ``wanted``: the
+  sharding each output had before it was made even (``schedule.outputs``)."""
+
+  boundary: Boundary
+  propagation: Propagation
+  schedule: Schedule
+  wanted: tuple[TensorSharding, ...]
+
+
+class Planner:
+  """Plans one program for any boundary. What does not depend on the boundary (the ops' rules,
+  propagation outcomes, candidate executions, reshard steps) is computed once and shared by
+  every plan, and so is the schedule of shardings met before: the search prices dozens.
+
+  ``resolve`` turns an annotation's logical axis names into mesh axes; ``backend``, ``name``,
+  ``in_tree`` and ``out_tree`` are for the plan's rendering."""
+
+  def __init__(self, program: Program, mesh: MeshShape, *, platform: str,
+               resolve: Callable[[P, str], P], backend: str, name: str, in_tree: Any,
+               out_tree: Any):
+    self.program, self.mesh = program, mesh
+    self.backend, self.name, self.in_tree, self.out_tree = backend, name, in_tree, out_tree
+    self.propagator = Propagator(program, mesh)
+    self.executions = ExecutionPlanner(mesh, wire_for(platform))
+    self.trips = trip_counts(program)
+    self.annotations = annotation_seeds(program, mesh, resolve)
+    # A schedule depends only on the shardings and the boundary's forms: boundaries that
+    # propagate alike (the search's candidates often do) share one.
+    self._schedules: dict[tuple, Schedule] = {}
+
+  def analyze(self, boundary: Boundary) -> Analysis:
+    return self.render(self.schedule(boundary))
+
+  def schedule(self, boundary: Boundary) -> Scheduled:
+    """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
+    uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
+    program, mesh = self.program, self.mesh
+    prop = self.propagator(_seeds(program, boundary, self.annotations))
+    inputs = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
+                   for v, spec, arrival in zip(program.inputs, boundary.inputs,
+                                               boundary.arrivals))
+    entries = tuple(spec if spec is not None and arrival is not None and spec != arrival
+                    else None for spec, arrival in zip(boundary.inputs, boundary.arrivals))
+    wanted = tuple(spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
+                   else TensorSharding.replicated(len(atom.aval.shape))
+                   for atom, spec in zip(program.outputs, boundary.outputs))
+    outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
+    key = (prop.layout, inputs, entries, outputs)
+    sched = self._schedules.get(key)
+    if sched is None:
+      sched = self._schedules[key] = schedule(
+          program, prop.constraints, prop.shardings, inputs, entries, outputs, self.executions,
+          duplicates(program, prop.shardings))
+    return Scheduled(boundary, prop, sched, wanted)
+
+  def step_bytes(self, scheduled: Scheduled) -> int:
+    """The rendered plan's ``step_bytes``."""
+    return scheduled.schedule.step_bytes(self.trips)
+
+  def render(self, scheduled: Scheduled) -> Analysis:
+    plan = render_plan(self.program, scheduled.propagation, scheduled.schedule,
+                       scheduled.boundary, scheduled.wanted, self.mesh, self.backend, self.name,
+                       self.in_tree, self.out_tree)
+    return Analysis(self.program, scheduled.propagation, scheduled.schedule, plan)
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
@@ -73,9 +121,9 @@ def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorS
   return s.with_dims(dims)
 
 
-def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
-           resolve: Callable[[P, str], P]) -> dict[Value, Seed]:
-  """``resolve`` turns an annotation's logical axis names into mesh axes."""
+def _seeds(program: Program, boundary: Boundary,
+           annotations: Mapping[Value, Seed]) -> dict[Value, Seed]:
+  """The boundary's specs, the annotations' (``annotation_seeds``), then open outputs'."""
   seeds: dict[Value, Seed] = {}
   for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
@@ -83,6 +131,18 @@ def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
     elif arrival is not None:  # an open leaf of a committed argument: its sharding, as jax.jit
       seeds[v] = Seed(arrival, frozenset(range(arrival.rank)),
                       Origin("input", f"{boundary.input_text(k)}, as committed"))
+  seeds.update(annotations)
+  for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):
+    if s is not None and isinstance(atom, Value) and atom not in seeds:
+      seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"))
+  return seeds
+
+
+def annotation_seeds(program: Program, mesh: MeshShape,
+                     resolve: Callable[[P, str], P]) -> dict[Value, Seed]:
+  """The sharding each annotation asks for; ``resolve`` turns logical axis names into mesh
+  axes."""
+  seeds: dict[Value, Seed] = {}
   for op in program.all_ops():
     spec = annotation_spec(op)
     if spec is None:
@@ -95,7 +155,4 @@ def _seeds(program: Program, boundary: Boundary, mesh: MeshShape,
       what += f" as {spec[0]}"
     closed = frozenset(range(sharding.rank)) - spec[1]
     seeds[out] = Seed(sharding, closed, Origin("annotation", what))
-  for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):
-    if s is not None and isinstance(atom, Value) and atom not in seeds:
-      seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"))
   return seeds

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from spmd.partition.ir import Op, Program, Value, hashable_or_none, literal_key
+from spmd.partition.ir import Op, Program, Value, literal_key
 from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -78,6 +78,7 @@ class Propagation:
   conflicts: list[Conflict]
   constraints: list[Constraint]
   unsupported: list[Op] = field(default_factory=list)
+  layout: tuple = ()  # every value's dims, in one order: equal layouts, equal shardings
 
 
 def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
@@ -106,10 +107,12 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
 def _rule_key(op: Op) -> tuple | None:
   """What an op's rule depends on: its primitive, params, operands' avals (literals' values too)
   and results' avals; None if a param cannot be hashed."""
-  return hashable_or_none((op.eqn.primitive, tuple(sorted(op.params.items())),
-                           tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
-                                 for x in op.inputs),
-                           tuple(v.aval for v in op.outputs)))
+  if op.params_key is None:
+    return None
+  return (op.params_key,
+          tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
+                for x in op.inputs),
+          tuple(v.aval for v in op.outputs))
 
 
 def _values(atoms: Iterable[object]) -> tuple[Value | None, ...]:
@@ -160,10 +163,65 @@ class _Outcome:
   writes: tuple[_Write, ...]
 
 
-class _Engine:
-  def __init__(self, mesh_shape: MeshShape, seeds: Mapping[Value, Seed],
-               constraints: list[Constraint]):
+class Propagator:
+  """Propagation through one program from any seeds. The constraints, the tensors taking part in
+  each, and the outcome of applying a constraint to given dims do not depend on the seeds: they
+  are computed once and shared by every propagation (the search runs dozens)."""
+
+  def __init__(self, program: Program, mesh_shape: MeshShape):
     self.mesh = mesh_shape
+    self.constraints, self.unsupported = constraints_for(program)
+    # Per constraint: (position, value, factors, size) of each tensor taking part, and the size
+    # of its largest tensor.
+    self.parts = [tuple((pos, v, tf, v.size) for pos, (v, tf) in
+                        enumerate(zip(c.tensors(), c.rule.tensors()))
+                        if v is not None and tf is not None) for c in self.constraints]
+    self.largest = [max((v.size for v in c.tensors() if v is not None), default=0)
+                    for c in self.constraints]
+    # Per constraint: what its outcome depends on besides its tensors' dims and closed dims.
+    self.signatures = [(id(c.rule), self.largest[i],  # constraints_for shares one rule among equal ops
+                    tuple((pos, tf, size, next(k for k, p in enumerate(parts) if p[1] is v))
+                          for pos, v, tf, size in parts))
+                   for i, (c, parts) in enumerate(zip(self.constraints, self.parts))]
+    self.readers: dict[Value, list[int]] = {}
+    for i, c in enumerate(self.constraints):
+      for v in c.tensors():
+        if v is not None:
+          self.readers.setdefault(v, []).append(i)
+    self.values = _all_values(program)
+    self.kinds: dict[tuple, int] = {}
+    self.outcomes: dict[tuple, _Outcome] = {}
+    self.open_kinds = [self.kind(i, {}) for i in range(len(self.constraints))]
+    self._shardings: dict[tuple[Axes, ...], TensorSharding] = {}
+
+  def __call__(self, seeds: Mapping[Value, Seed]) -> Propagation:
+    engine = _Engine(self, seeds)
+    engine.run()
+    layout = tuple(tuple(engine.dims_of(v)) for v in self.values)
+    shardings = {v: self._sharding(dims) for v, dims in zip(self.values, layout)}
+    origins = {v: engine.origins.get(v, DEFAULT) for v in self.values}
+    return Propagation(shardings, origins, list(engine.conflicts.values()), self.constraints,
+                       self.unsupported, layout)
+
+  def _sharding(self, dims: tuple[Axes, ...]) -> TensorSharding:
+    """One TensorSharding per distinct ``dims`` (a program has few)."""
+    sharding = self._shardings.get(dims)
+    if sharding is None:
+      sharding = self._shardings[dims] = TensorSharding(dims)
+    return sharding
+
+  def kind(self, i: int, closed: Mapping[Value, frozenset[int]]) -> int:
+    """The id of what constraint ``i``'s outcome depends on besides its tensors' dims."""
+    key = (self.signatures[i], tuple(closed.get(v, _OPEN) for _, v, _, _ in self.parts[i]))
+    return self.kinds.setdefault(key, len(self.kinds))
+
+
+_OPEN: frozenset[int] = frozenset()
+
+
+class _Engine:
+  def __init__(self, propagator: Propagator, seeds: Mapping[Value, Seed]):
+    self.mesh = propagator.mesh
     self.dims: dict[Value, list[Axes]] = {}
     self.closed: dict[Value, frozenset[int]] = {}
     self.origins: dict[Value, Origin] = {}
@@ -172,31 +230,16 @@ class _Engine:
       self.dims[value] = list(seed.sharding.dims)
       self.closed[value] = seed.closed_dims
       self.origins[value] = seed.origin
-    self.constraints = constraints
-    # Per constraint: (position, value, factors, size) of each tensor taking part, and the size
-    # of its largest tensor.
-    self.parts = [tuple((pos, v, tf, v.size) for pos, (v, tf) in
-                        enumerate(zip(c.tensors(), c.rule.tensors()))
-                        if v is not None and tf is not None) for c in constraints]
-    self.largest = [max((v.size for v in c.tensors() if v is not None), default=0)
-                    for c in constraints]
-    # Per constraint: the id of what its outcome depends on besides its tensors' dims.
-    kinds: dict[tuple, int] = {}
-    self.kind = [kinds.setdefault(
-        (id(c.rule), self.largest[i],  # constraints_for shares one rule among equal ops
-         tuple((pos, tf, size, self.closed.get(v, frozenset()),
-                next(k for k, p in enumerate(parts) if p[1] is v))
-               for pos, v, tf, size in parts)), len(kinds))
-        for i, (c, parts) in enumerate(zip(constraints, self.parts))]
-    self.outcomes: dict[tuple, _Outcome] = {}
+    self.constraints, self.parts = propagator.constraints, propagator.parts
+    self.largest, self.readers = propagator.largest, propagator.readers
+    self.outcomes = propagator.outcomes
+    self.kind = list(propagator.open_kinds)
+    for v in self.closed:
+      for i in self.readers.get(v, ()):
+        self.kind[i] = propagator.kind(i, self.closed)
     # A constraint reads only its tensors' dims: one none of whose tensors changed since its last
     # application would write nothing new, so it is skipped (the same fixed point, sooner).
-    self.dirty = [True] * len(constraints)
-    self.readers: dict[Value, list[int]] = {}
-    for i, c in enumerate(constraints):
-      for v in c.tensors():
-        if v is not None:
-          self.readers.setdefault(v, []).append(i)
+    self.dirty = [True] * len(self.constraints)
     self.broadcasting = False
     self.deferred: set[int] = set()  # constraints that left a broadcast's operand out
 
@@ -352,16 +395,6 @@ def prefix_without(axes: Axes, used: set[str]) -> Axes:
       break
     out.append(a)
   return tuple(out)
-
-
-def propagate(program: Program, seeds: Mapping[Value, Seed], mesh_shape: MeshShape) -> Propagation:
-  constraints, unsupported = constraints_for(program)
-  engine = _Engine(mesh_shape, seeds, constraints)
-  engine.run()
-  values = _all_values(program)
-  shardings = {v: TensorSharding(tuple(engine.dims_of(v))) for v in values}
-  origins = {v: engine.origins.get(v, DEFAULT) for v in values}
-  return Propagation(shardings, origins, list(engine.conflicts.values()), constraints, unsupported)
 
 
 def _all_values(program: Program) -> list[Value]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from jax.tree_util import tree_unflatten
 
 from spmd.partition.halo_geometry import Exchange, Hop
-from spmd.partition.ir import Op, Program, Value, depth_first, layer
+from spmd.partition.ir import Op, Program, Value, layer
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation
@@ -17,6 +17,7 @@ from spmd.partition.reshard import ReshardStep
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
+from spmd.partition.trips import region_trips, trip_counts
 from spmd.plan import Collective, HaloExchange, Plan, PlanRow
 
 if TYPE_CHECKING:
@@ -32,13 +33,13 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
                                      mesh)
               for k, atom in enumerate(program.outputs) if sched.outputs[k] != wanted[k]]
   producers = _producers(program, boundary)
-  trips = _trips(program)
+  runs = trip_counts(program)
   annotations = {op.outputs[0]: op for op in program.all_ops()
                  if op.outputs and op.outputs[0] in sched.aliases and op not in sched.duplicates}
   by_op: dict[int, list[Collective]] = {}
   hoisted: dict[Op, list[Transfer]] = {}  # a loop body op -> its reshards run before the loop
   for s in sched.walk():
-    outer, inner = trips[s.op.index], _inner_trips(s.op, trips[s.op.index])
+    outer, inner = runs[s.op.index], region_trips(s.op, runs[s.op.index])
     by_op.setdefault(s.op.index, [])
     for t in s.transfers:
       if t.reader is not None:
@@ -58,7 +59,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
       warnings.append(f"op {op.index} ({op.primitive} at {op.source}) communicates inside a while "
                       "loop whose trip count is unknown: per-step bytes count one iteration")
   rows = [_row(op, depth, prop, producers, by_op.get(op.index, []))
-          for op, depth in depth_first(program.ops)]
+          for op, depth in program.nested_ops]
   for t in sched.entry:
     k = t.slot.index
     cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
@@ -115,29 +116,6 @@ def _attach(rows: list[PlanRow], op: Op, collectives: tuple[Collective, ...]) ->
     if row.index == op.index:
       rows[k] = dataclasses.replace(row, collectives=row.collectives + collectives)
       return
-
-
-def _trips(program: Program) -> dict[int, int | None]:
-  """How often each op runs per call: the product of the lengths of the scans around it; None
-  inside a while loop (its trip count is a runtime value)."""
-  out: dict[int, int | None] = {}
-
-  def visit(ops: list[Op], trips: int | None) -> None:
-    for op in ops:
-      out[op.index] = trips
-      for region in op.regions:
-        visit(region.ops, _inner_trips(op, trips))
-
-  visit(program.ops, 1)
-  return out
-
-
-def _inner_trips(op: Op, trips: int | None) -> int | None:
-  """How often the regions of ``op`` run per call (its record says how often per op)."""
-  if not op.regions or trips is None:
-    return trips
-  per_op = describe(op.eqn.primitive).control.trips(op.params)
-  return None if per_op is None else trips * per_op
 
 
 def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:

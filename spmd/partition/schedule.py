@@ -23,13 +23,13 @@ from typing import Hashable, Mapping
 
 from spmd.partition.execution import Execution, ExecutionPlanner, Price
 from spmd.partition.halo_geometry import Exchange, Hop, halo_piece
-from spmd.partition.ir import Op, Program, Region, Value, depth_first, hashable_or_none
+from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import PrimitiveInfo, describe
 from spmd.partition.propagate import Constraint
-from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.reshard import ReshardStep
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
-from spmd.partition.wire import Wire
+from spmd.partition.trips import Trips, region_trips
 
 
 @dataclass(frozen=True)
@@ -93,36 +93,49 @@ class Schedule:
     """Every scheduled op, region ops right after their owner."""
     return [s for s, _ in depth_first(self.ops)]
 
+  def step_bytes(self, trips: Trips) -> int:
+    """Per-device bytes of every collective per call, each counted as often as it runs (one
+    iteration inside a while loop): the plan's ``step_bytes``, without rendering the plan."""
+    total = sum(_moved(t) for t in self.entry + self.exit)
+    for s in self.walk():
+      runs = trips[s.op.index]
+      inner = region_trips(s.op, runs) or 1
+      total += (runs or 1) * (sum(map(_moved, s.transfers))
+                              + sum(nbytes for _, _, nbytes in s.halo_hops))
+      total += inner * sum(_moved(t) for r in s.regions for t in r.exit)
+      total += sum(b.bytes * ((None if runs is None or b.trips is None else runs * b.trips) or 1)
+                   for b in s.body_collectives)
+    return total
+
+
+def _moved(t: Transfer) -> int:
+  return sum(step.bytes for step in t.steps if step.communicates)
+
 
 class _Scheduler:
   def __init__(self, program: Program, constraints: list[Constraint],
-               shardings: Mapping[Value, TensorSharding], mesh: MeshShape, wire: Wire,
+               shardings: Mapping[Value, TensorSharding], executions: ExecutionPlanner,
                duplicates: Mapping[Op, Op]):
-    self.shardings, self.mesh, self.wire = shardings, mesh, wire
+    self.shardings, self.mesh, self.wire = shardings, executions.mesh, executions.wire
     self.duplicates = duplicates
     self.by_op: dict[int, list[Constraint]] = {}
     for c in constraints:
       self.by_op.setdefault(c.op.index, []).append(c)
-    self.scopes = _scopes(program)  # how deep in regions each value is defined
+    self.scopes = program.value_depths
     self.partial_ok = _partial_ok(program, self.by_op, duplicates, self.scopes)
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
     self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
-    self._steps: dict[tuple, tuple[ReshardStep, ...]] = {}
-    self.readers = _readers(program, shardings, duplicates)
-    self.executions = ExecutionPlanner(mesh, wire)
+    self.reads = program.reads
+    self.names = _names(program, duplicates)
+    self.kinds: dict[Op, Hashable | None] = {}
+    self.executions = executions
 
   # --- forms ------------------------------------------------------------------------------------
 
-  def steps(self, v: Value, src: TensorSharding, dst: TensorSharding) -> tuple[ReshardStep, ...]:
-    key = (src, dst, v.shape, self.wire(v.dtype))
-    if key not in self._steps:
-      self._steps[key] = plan_reshard(src, dst, v.shape, self.wire(v.dtype), self.mesh)
-    return self._steps[key]
-
   def _best(self, v: Value, dst: TensorSharding) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
-    options = [(s, self.steps(v, s, dst)) for s in self.forms[v]]
+    options = [(s, self.executions.reshard(v, s, dst)) for s in self.forms[v]]
     return min(options, key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
 
   def price(self, v: Value, dst: TensorSharding) -> int:
@@ -134,13 +147,30 @@ class _Scheduler:
     """``price`` for choosing how ``op`` runs: a reshard of an operand is split evenly between
     ``op`` and the later ops of its kind that read the value at the same position (they face the
     same choice, so they read the form it makes, and a form is made once)."""
-    kind = _kind(op, self.shardings)
-    sharers: dict[Value, int] = {}
+    def price(v: Value, dst: TensorSharding) -> int:
+      moved = self.price(v, dst)
+      return moved and moved // self._sharers(op, v)
+    return price
+
+  def _sharers(self, op: Op, v: Value) -> int:
+    """How many ops of ``op``'s kind read ``v`` (by any of its names) where ``op`` does, ``op``
+    and later ones."""
+    kind, most = self._kind(op), 1
     for k, x in enumerate(op.inputs):
-      if isinstance(x, Value) and kind is not None:
-        later = self.readers[x].get((k, kind), ())  # indices in program order
-        sharers[x] = max(sharers.get(x, 1), len(later) - bisect.bisect_left(later, op.index))
-    return lambda v, dst: self.price(v, dst) // sharers.get(v, 1)
+      if x is v and kind is not None:
+        most = max(most, sum(1 for name in self.names.get(v, (v,))
+                             for reader, j in self.reads.get(name, ())
+                             if j == k and reader.index >= op.index
+                             and self._kind(reader) == kind))
+    return most
+
+  def _kind(self, op: Op) -> Hashable | None:
+    """``_kind`` of an op that reads (None for annotations and repeated ops: they read nothing
+    themselves, their results are other names)."""
+    if op not in self.kinds:
+      self.kinds[op] = None if op in self.duplicates or _annotates(op) else _kind(
+          op, self.shardings)
+    return self.kinds[op]
 
   def acquire(self, v: Value, dst: TensorSharding, out: list[Transfer], slot: Slot,
               reader: Op | None = None) -> None:
@@ -171,10 +201,10 @@ class _Scheduler:
       return self.repeat(op, self.duplicates[op])
     if op.regions:
       return self.control(op, constraints)
-    info = describe(op.eqn.primitive)
-    if info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
+    if _annotates(op):
       return self.annotation(op)
     (c,) = constraints
+    info = describe(op.eqn.primitive)
     if info is not None and info.manual is not None:
       return self.manual(op, c, info)
     ex = self.executions.plan(c, self.shardings, self.shared_price(op))
@@ -193,7 +223,7 @@ class _Scheduler:
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
     new_hops = []
-    for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh, self.wire):
+    for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh, self.wire) if ex.halos else ():
       x = op.inputs[halo.operand]  # pieces are of the buffer, whichever name reads it
       key = halo_piece(self.aliases.get(x, x), reads[halo.operand], chain, hop)
       if key not in self.halo_pieces:
@@ -239,7 +269,7 @@ class _Scheduler:
   def _deferrable(self, op: Op, ex: Execution) -> tuple[tuple[int, ...], Axes] | None:
     """Operands whose pending partial sum can flow through ``op``, and the summed axes."""
     rule = ex.constraint.rule
-    if not rule.linear_in or (ex.partial_axes and rule.combiner != "sum"):
+    if not rule.linear_in or (rule.combiner != "sum" and ex.partial_axes):
       return None
     found: dict[int, Axes] = {}
     for k in rule.linear_in:
@@ -304,16 +334,6 @@ class _Scheduler:
     return ScheduledOp(op, transfers, tuple(reads), final, None, tuple(regions))
 
 
-def _scopes(program: Program) -> dict[Value, int]:
-  """The depth of the region each value is defined in (0: the program's own; its inputs and
-  constants are left out)."""
-  depths: dict[Value, int] = {}
-  for op, depth in depth_first(program.ops):
-    depths.update((v, depth) for v in op.outputs)
-    depths.update((v, depth + 1) for region in op.regions for v in region.inputs)
-  return depths
-
-
 def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
                 duplicates: Mapping[Op, Op], scopes: Mapping[Value, int]) -> dict[Value, bool]:
   """Values read once, by an op that can take a pending partial sum: only there does letting the
@@ -323,7 +343,7 @@ def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
   names = {v: earlier for dup, first in duplicates.items()
            for v, earlier in zip(dup.outputs, first.outputs)}
   ok: dict[Value, bool] = {}
-  for op, depth in depth_first(program.ops):
+  for op, depth in program.nested_ops:
     if op in duplicates:
       continue
     linear = by_op[op.index][0].rule.linear_in if not op.regions else ()
@@ -345,33 +365,33 @@ def _kind(op: Op, shardings: Mapping[Value, TensorSharding]) -> Hashable | None:
   """Primitive, params and the shardings of every operand and result: ops of one kind reading a
   value at one position face the same choice, so they want one form of it (None: params that do
   not compare)."""
-  return hashable_or_none((op.primitive, tuple(sorted(op.params.items())),
-                           tuple(shardings.get(x) if isinstance(x, Value) else None
-                                 for x in op.inputs),
-                           tuple(shardings.get(v) for v in op.outputs)))
+  if op.params_key is None:
+    return None
+  return (op.params_key, tuple(shardings.get(x) if isinstance(x, Value) else None
+                               for x in op.inputs),
+          tuple(shardings.get(v) for v in op.outputs))
 
 
-Readers = dict[tuple[int, Hashable], list[int]]
+def _names(program: Program, duplicates: Mapping[Op, Op]) -> dict[Value, tuple[Value, ...]]:
+  """Every name of each value that has several: an annotation's result and a repeated op's
+  (cse.py) are other names for the value they name."""
+  parent: dict[Value, Value] = {}
+  for op in program.annotations:
+    parent[op.outputs[0]] = op.inputs[0]
+  for op, first in duplicates.items():
+    parent.update(zip(op.outputs, first.outputs))
+  groups: dict[Value, list[Value]] = {}
+  for v in parent:
+    root = v
+    while root in parent:
+      root = parent[root]
+    groups.setdefault(root, [root]).append(v)
+  return {v: tuple(group) for group in groups.values() for v in group}
 
 
-def _readers(program: Program, shardings: Mapping[Value, TensorSharding],
-             duplicates: Mapping[Op, Op]) -> dict[Value, Readers]:
-  """Per value: the indices of the ops reading it, by (operand position, kind), in program
-  order. An annotation's result and a repeated op's (cse.py) are other names for the value they
-  name: all its names share one record."""
-  readers: dict[Value, Readers] = {}
-  for op in program.all_ops():
-    info = describe(op.eqn.primitive)
-    if op in duplicates:
-      for v, earlier in zip(op.outputs, duplicates[op].outputs):
-        readers[v] = readers.setdefault(earlier, {})
-    elif info is not None and info.annotation is not None and isinstance(op.inputs[0], Value):
-      readers[op.outputs[0]] = readers.setdefault(op.inputs[0], {})
-    elif (kind := _kind(op, shardings)) is not None:
-      for k, x in enumerate(op.inputs):
-        if isinstance(x, Value):
-          readers.setdefault(x, {}).setdefault((k, kind), []).append(op.index)
-  return readers
+def _annotates(op: Op) -> bool:
+  info = describe(op.eqn.primitive)
+  return info is not None and info.annotation is not None and isinstance(op.inputs[0], Value)
 
 
 def _place(v: Value | None, sharding: TensorSharding, outer, outer_slots: list, regions: list,
@@ -400,12 +420,12 @@ def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
 def schedule(program: Program, constraints: list[Constraint],
              shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
              entries: tuple[TensorSharding | None, ...], outputs: tuple[TensorSharding, ...],
-             mesh: MeshShape, wire: Wire, duplicates: Mapping[Op, Op]) -> Schedule:
+             executions: ExecutionPlanner, duplicates: Mapping[Op, Op]) -> Schedule:
   """``inputs``: the form each input arrives in; ``entries``: the form it is resharded to first
-  (None: kept as it arrives); ``outputs``: the forms handed back; ``wire``: the bytes a
-  collective moves per element of a dtype on the backend compiled for; ``duplicates``: ops
+  (None: kept as it arrives); ``outputs``: the forms handed back; ``executions``: plans the ops'
+  executions and the reshards, priced for the backend compiled for; ``duplicates``: ops
   repeating an earlier op (cse.py), which run nothing."""
-  s = _Scheduler(program, constraints, shardings, mesh, wire, duplicates)
+  s = _Scheduler(program, constraints, shardings, executions, duplicates)
   for v in program.consts:
     s.forms[v] = [TensorSharding.replicated(len(v.shape))]
   for v, arrives in zip(program.inputs, inputs):

@@ -17,16 +17,15 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from spmd.partition.planner import Analysis, Boundary
+from spmd.partition.ir import Program
+from spmd.partition.planner import Analysis, Boundary, Planner, Scheduled
 from spmd.partition.sharding import MeshShape, TensorSharding
 from spmd.plan import Search, SearchVariable
-
-Evaluate = Callable[[Boundary], Analysis]
 
 ILP_COLUMNS = 20_000   # candidates (binary columns) the integer program takes at most
 ILP_SECONDS = 10.0     # HiGHS's time limit
@@ -42,8 +41,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class _Priced:
-  boundary: Boundary
-  analysis: Analysis
+  scheduled: Scheduled
   step_bytes: int
   memory: int
 
@@ -61,10 +59,10 @@ def candidates(shape: Sequence[int], mesh: MeshShape) -> tuple[TensorSharding, .
   return tuple(out)
 
 
-def memory(analysis: Analysis, mesh: MeshShape) -> int:
-  """Per-device bytes of the program's inputs as the plan shards them."""
+def memory(program: Program, scheduled: Scheduled, mesh: MeshShape) -> int:
+  """Per-device bytes of the program's inputs as the schedule shards them."""
   return sum(_local_bytes(v, s, mesh)
-             for v, s in zip(analysis.program.inputs, analysis.schedule.inputs))
+             for v, s in zip(program.inputs, scheduled.schedule.inputs))
 
 
 def _local_bytes(v: object, s: TensorSharding, mesh: MeshShape) -> int:
@@ -92,19 +90,19 @@ def device_memory(devices: Sequence[Any]) -> int | None:
   return None if not limits or None in limits else min(limits)
 
 
-def search(boundary: Boundary, ties: Sequence[Hashable], mesh: MeshShape,
-           memory_limit: int | None, limit_source: str,
-           evaluate: Evaluate) -> tuple[Analysis, Search]:
+def search(boundary: Boundary, ties: Sequence[Hashable], planner: Planner,
+           memory_limit: int | None, limit_source: str) -> tuple[Analysis, Search]:
   """The cheapest plan found whose inputs fit ``memory_limit`` bytes per device (None: no
-  limit; ``limit_source`` says where it came from); ``ties[k]`` is input k's tie key."""
+  limit; ``limit_source`` says where it came from); ``ties[k]`` is input k's tie key. Candidates
+  are priced by their schedules; only the chosen plan is rendered."""
   start = time.perf_counter()
+  program, mesh = planner.program, planner.mesh
 
   def price(b: Boundary) -> _Priced:
-    a = evaluate(b)
-    return _Priced(b, a, a.plan.step_bytes, memory(a, mesh))
+    scheduled = planner.schedule(b)
+    return _Priced(scheduled, planner.step_bytes(scheduled), memory(program, scheduled, mesh))
 
   base = price(boundary)
-  program = base.analysis.program
   groups = _variables(boundary, ties)
   groups = [g for g in groups if len(candidates(program.inputs[g[0]].shape, mesh)) > 1]
   options = [candidates(program.inputs[g[0]].shape, mesh) for g in groups]
@@ -114,7 +112,8 @@ def search(boundary: Boundary, ties: Sequence[Hashable], mesh: MeshShape,
           for g, opts in zip(groups, options)]
   grouped = {k for g in groups for k in g}
   fixed_mem = sum(_local_bytes(v, s, mesh) for k, (v, s) in
-                  enumerate(zip(program.inputs, base.analysis.schedule.inputs)) if k not in grouped)
+                  enumerate(zip(program.inputs, base.scheduled.schedule.inputs))
+                  if k not in grouped)
   solve_start = time.perf_counter()
   choice = choose([[p.step_bytes - base.step_bytes for p in ps] for ps in priced], mems,
                   None if memory_limit is None else memory_limit - fixed_mem)
@@ -126,7 +125,7 @@ def search(boundary: Boundary, ties: Sequence[Hashable], mesh: MeshShape,
   pool = [solution, base] + [p for ps in priced for p in ps]
   fitting = [p for p in pool if memory_limit is None or p.memory <= memory_limit]
   best = min(fitting, key=lambda p: (p.step_bytes, p.memory))  # the solution fits
-  inputs = best.analysis.schedule.inputs
+  inputs = best.scheduled.schedule.inputs
   variables = tuple(SearchVariable(tuple(boundary.input_names[k] for k in g),
                                    tuple(s.to_spec() for s in opts),
                                    tuple(inputs[k].to_spec() for k in g))
@@ -135,7 +134,7 @@ def search(boundary: Boundary, ties: Sequence[Hashable], mesh: MeshShape,
                   time.perf_counter() - start, best.step_bytes, base.step_bytes, predicted,
                   solution.step_bytes, best.memory, memory_limit, limit_source, best is solution,
                   choice.method)
-  return best.analysis, report
+  return planner.render(best.scheduled), report
 
 
 def choose(costs: list[list[int]], mems: list[list[int]], budget: int | None) -> Choice:
