@@ -229,14 +229,24 @@ def _pooled_conv(x, k):
   return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
 
 
+def _manual_in_a_scan(x, w):
+  """A user's shard_map whose body all-reduces, 3 times in a scan."""
+  reduce = jax.shard_map(lambda block: jax.lax.psum(block, "model"), mesh=_mesh(),
+                         in_specs=P("data", "model"), out_specs=P("data", None))
+  return jax.lax.scan(lambda h, _: (jnp.tanh(reduce(h) @ w), None), x, None, length=3)[0]
+
+
 @pytest.mark.parametrize("fn, args, specs", [
     (_loops, (jnp.ones((8, 16)), jnp.ones((10, 16, 16)) / 16), (P("data", None), None)),
     (_pooled_conv, (jnp.linspace(-1, 1, 2 * 16 * 16 * 4).reshape(2, 16, 16, 4),
                     jnp.linspace(-1, 1, 3 * 3 * 4 * 8).reshape(3, 3, 4, 8)), (None, P())),
-], ids=["loops", "halos"])
+    (_manual_in_a_scan, (jnp.linspace(-1, 1, 8 * 16).reshape(8, 16),
+                         jnp.linspace(-1, 1, 4 * 16).reshape(4, 16)), (None, None)),
+], ids=["loops", "halos", "shard_map"])
 def test_candidates_are_priced_as_their_plans_count(fn, args, specs, monkeypatch):
   """The search prices each candidate from its schedule without rendering its plan: that price
-  is the rendered plan's step_bytes (loop trips counted, halo exchanges included)."""
+  is the rendered plan's step_bytes (loop trips counted, halo exchanges and a shard_map body's
+  collectives included)."""
   planner_module = importlib.import_module("spmd.partition.planner")
   priced = []
   price = planner_module.Planner.step_bytes
