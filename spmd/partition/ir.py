@@ -133,10 +133,10 @@ class Program:
     return {v: tuple(readers) for v, readers in out.items()}
 
   @functools.cached_property
-  def annotations(self) -> tuple[Op, ...]:
+  def annotations(self) -> frozenset[Op]:
     """The ops that annotate a value (a sharding constraint): their result names their
     operand."""
-    return tuple(op for op, _ in self.nested_ops if op.inputs and isinstance(op.inputs[0], Value)
+    return frozenset(op for op, _ in self.nested_ops if op.inputs and isinstance(op.inputs[0], Value)
                  and (info := describe(op.eqn.primitive)) is not None
                  and info.annotation is not None)
 

@@ -197,7 +197,7 @@ class Propagator:
   def __call__(self, seeds: Mapping[Value, Seed]) -> Propagation:
     engine = _Engine(self, seeds)
     engine.run()
-    layout = tuple(tuple(engine.dims_of(v)) for v in self.values)
+    layout = tuple(tuple(engine.dims[v]) for v in self.values)
     shardings = {v: self._sharding(dims) for v, dims in zip(self.values, layout)}
     origins = {v: engine.origins.get(v, DEFAULT) for v in self.values}
     return Propagation(shardings, origins, list(engine.conflicts.values()), self.constraints,
@@ -222,7 +222,7 @@ _OPEN: frozenset[int] = frozenset()
 class _Engine:
   def __init__(self, propagator: Propagator, seeds: Mapping[Value, Seed]):
     self.mesh = propagator.mesh
-    self.dims: dict[Value, list[Axes]] = {}
+    self.dims: dict[Value, list[Axes]] = {v: [()] * len(v.shape) for v in propagator.values}
     self.closed: dict[Value, frozenset[int]] = {}
     self.origins: dict[Value, Origin] = {}
     self.conflicts: dict[tuple, Conflict] = {}
@@ -243,11 +243,6 @@ class _Engine:
     self.broadcasting = False
     self.deferred: set[int] = set()  # constraints that left a broadcast's operand out
 
-  def dims_of(self, v: Value) -> list[Axes]:
-    if v not in self.dims:
-      self.dims[v] = [()] * len(v.shape)
-    return self.dims[v]
-
   def run(self) -> None:
     for level in (0, 1, 2):
       active = [i for i, c in enumerate(self.constraints) if level or c.rule.pass_through]
@@ -264,8 +259,9 @@ class _Engine:
   def apply(self, i: int) -> bool:
     self.dirty[i] = False
     c, parts = self.constraints[i], self.parts[i]
-    dims = [self.dims_of(v) for _, v, _, _ in parts]
-    key = (self.kind[i], self.broadcasting, tuple(tuple(d) for d in dims))
+    every = self.dims
+    dims = [every[v] for _, v, _, _ in parts]
+    key = (self.kind[i], self.broadcasting, tuple(map(tuple, dims)))
     outcome = self.outcomes.get(key)
     if outcome is None:
       outcome = self.outcomes[key] = self._outcome(c.rule, parts, self.largest[i],
@@ -278,7 +274,7 @@ class _Engine:
           self.origins.get(parts[x.dropped_part][1], DEFAULT)))
     for w in outcome.writes:
       v = parts[w.part][1]
-      self.dims_of(v)[w.dim] = w.axes
+      self.dims[v][w.dim] = w.axes
       for j in self.readers[v]:
         self.dirty[j] = True
       if w.source is not None and parts[w.source][1] is not v:

@@ -129,6 +129,7 @@ class _Scheduler:
     self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
     self.reads = program.reads
     self.names = _names(program, duplicates)
+    self.annotations = program.annotations
     self.kinds: dict[Op, Hashable | None] = {}
     self.executions = executions
 
@@ -168,7 +169,7 @@ class _Scheduler:
     """``_kind`` of an op that reads (None for annotations and repeated ops: they read nothing
     themselves, their results are other names)."""
     if op not in self.kinds:
-      self.kinds[op] = None if op in self.duplicates or _annotates(op) else _kind(
+      self.kinds[op] = None if op in self.duplicates or op in self.annotations else _kind(
           op, self.shardings)
     return self.kinds[op]
 
@@ -201,7 +202,7 @@ class _Scheduler:
       return self.repeat(op, self.duplicates[op])
     if op.regions:
       return self.control(op, constraints)
-    if _annotates(op):
+    if op in self.annotations:
       return self.annotation(op)
     (c,) = constraints
     info = describe(op.eqn.primitive)
@@ -387,11 +388,6 @@ def _names(program: Program, duplicates: Mapping[Op, Op]) -> dict[Value, tuple[V
       root = parent[root]
     groups.setdefault(root, [root]).append(v)
   return {v: tuple(group) for group in groups.values() for v in group}
-
-
-def _annotates(op: Op) -> bool:
-  info = describe(op.eqn.primitive)
-  return info is not None and info.annotation is not None and isinstance(op.inputs[0], Value)
 
 
 def _place(v: Value | None, sharding: TensorSharding, outer, outer_slots: list, regions: list,
