@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.partition.atoms import Value
 from spmd.partition.primitives import bind, describe, operands
 
 if TYPE_CHECKING:
-  from spmd.partition.ir import Op, Value
+  from spmd.partition.ir import Op
 
 # XLA's bound (hlo_constant_folding.cc): neither the result nor its operands together may hold
 # more elements.
@@ -54,7 +55,7 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
         v.const = Folded(makers)
         folded.append(v)
       continue
-    if not all(not hasattr(x, "id") or x.const is not None or x in makers for x in op.inputs):
+    if not all(not isinstance(x, Value) or x.const is not None or x in makers for x in op.inputs):
       kept.append(op)
       continue
     if op.primitive in _KEPT or _is_identity(op):
@@ -121,7 +122,7 @@ def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
   env: dict[Value, Any] = {}
 
   def read(x: Any, makers: Mapping[Value, Op]) -> Any:
-    if not hasattr(x, "id"):
+    if not isinstance(x, Value):
       return np.asarray(x.val, dtype=x.aval.dtype)
     if x not in env:
       if x not in makers:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 from jax._src import source_info_util
@@ -18,47 +17,14 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from spmd.partition.atoms import Atom, Literal, Value
 from spmd.partition.fold import fold_constants, fold_region_empties
 from spmd.partition.jax_compat import open_jaxpr, scan_layout
 from spmd.partition.primitives import SHARDING_PARAMS, PrimitiveInfo, describe
 from spmd.partition.roll import fuse_rolls
 
-_ids = itertools.count()
 # Frames inside spmd.partition (e.g. spmd.annotate) are not the user's source line.
 source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
-
-
-@dataclass(eq=False)
-class Value:
-  """One array of the program (its aval is global: no sharding is baked in)."""
-
-  aval: Any
-  const: Any = None  # a closed-over constant's array, or a folded value's fold.Folded
-  id: int = field(default_factory=lambda: next(_ids))
-  shape: tuple[int, ...] = field(init=False)
-  size: int = field(init=False)  # the number of elements
-
-  def __post_init__(self) -> None:
-    self.shape = tuple(self.aval.shape)
-    self.size = math.prod(self.shape)
-
-  @property
-  def dtype(self) -> np.dtype:
-    return self.aval.dtype
-
-  def __repr__(self) -> str:
-    return f"v{self.id}:{self.aval.str_short()}"
-
-
-@dataclass(frozen=True)
-class Literal:
-  """A scalar constant written into an equation."""
-
-  val: Any
-  aval: Any
-
-
-Atom = Union[Value, Literal]
 
 
 @dataclass(eq=False)
@@ -136,9 +102,10 @@ class Program:
   def annotations(self) -> frozenset[Op]:
     """The ops that annotate a value (a sharding constraint): their result names their
     operand."""
-    return frozenset(op for op, _ in self.nested_ops if op.inputs and isinstance(op.inputs[0], Value)
-                 and (info := describe(op.eqn.primitive)) is not None
-                 and info.annotation is not None)
+    return frozenset(op for op, _ in self.nested_ops
+                     if op.inputs and isinstance(op.inputs[0], Value)
+                     and (info := describe(op.eqn.primitive)) is not None
+                     and info.annotation is not None)
 
   @functools.cached_property
   def value_depths(self) -> dict[Value, int]:
@@ -352,7 +319,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     if _reshapes_in_effect(op):
       source, result = op.inputs[0], op.outputs[0]
       source = relaid.get(source, source)
-      if result.shape == source.shape and result.dtype == source.dtype:
+      if result.shape == source.shape:  # a reshape in effect keeps the dtype
         alias[result] = source
         continue
       relaid[result] = source

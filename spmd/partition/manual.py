@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from spmd.partition.ir import source_line
+from spmd.partition.ir import Value, source_line
 from spmd.partition.jax_compat import check_vma, open_jaxpr, unvaried, varying_axes, vary
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -74,7 +74,7 @@ def shardings(op: Op, mesh: MeshShape) -> tuple[tuple[TensorSharding | None, ...
   ins, outs = specs(op.params)
   what = f"jax.shard_map at {op.source}"
   reads = tuple(TensorSharding.from_spec(s, len(x.aval.shape), mesh, what=f"{what}: in_specs")
-                if hasattr(x, "id") else None for x, s in zip(op.inputs, ins))
+                if isinstance(x, Value) else None for x, s in zip(op.inputs, ins))
   writes = tuple(TensorSharding.from_spec(s, len(v.shape), mesh, what=f"{what}: out_specs")
                  for v, s in zip(op.outputs, outs))
   return reads, writes
@@ -84,7 +84,7 @@ def rule(op: Op) -> OpShardingRule:
   """Every dim of every operand and result its own factor: the body is opaque, so the op relates
   none of them to another; the annotations pinning them to the specs carry shardings (ir.py)."""
   b = RuleBuilder()
-  return b.build([b.factors(x.aval.shape) if hasattr(x, "id") else None for x in op.inputs],
+  return b.build([b.factors(x.aval.shape) if isinstance(x, Value) else None for x in op.inputs],
                  [b.factors(v.shape) for v in op.outputs])
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 
+from spmd.partition.atoms import Value
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def operands(local: Any, args: list) -> list:
 def replicated_rule(op: "Op") -> OpShardingRule:
   """Every dim of every tensor replicated: correct for any primitive, never fast."""
   b = RuleBuilder()
-  return b.build([None if not hasattr(x, "id") else [None] * len(x.aval.shape)
+  return b.build([None if not isinstance(x, Value) else [None] * len(x.aval.shape)
                   for x in op.inputs],
                  [[None] * len(v.aval.shape) for v in op.outputs])
 

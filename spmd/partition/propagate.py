@@ -179,10 +179,11 @@ class Propagator:
     self.largest = [max((v.size for v in c.tensors() if v is not None), default=0)
                     for c in self.constraints]
     # Per constraint: what its outcome depends on besides its tensors' dims and closed dims.
-    self.signatures = [(id(c.rule), self.largest[i],  # constraints_for shares one rule among equal ops
-                    tuple((pos, tf, size, next(k for k, p in enumerate(parts) if p[1] is v))
-                          for pos, v, tf, size in parts))
-                   for i, (c, parts) in enumerate(zip(self.constraints, self.parts))]
+    # (constraints_for shares one rule among equal ops, so the rule's identity is its key)
+    self.signatures = [(id(c.rule), self.largest[i],
+                        tuple((pos, tf, size, next(k for k, p in enumerate(parts) if p[1] is v))
+                              for pos, v, tf, size in parts))
+                       for i, (c, parts) in enumerate(zip(self.constraints, self.parts))]
     self.readers: dict[Value, list[int]] = {}
     for i, c in enumerate(self.constraints):
       for v in c.tensors():
