@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
@@ -301,9 +302,11 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
-  so is a chain of reshapes in effect that gives a value back its own shape (``sum(x[None], 0)``:
-  XLA's simplifier folds the chain to one reshape, then to nothing)."""
+  so is an ``abs`` of a value that cannot be negative, and a chain of reshapes in effect that gives
+  a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
+  reshape, then to nothing)."""
   alias: dict[Value, Value] = {}
+  makers: dict[Value, Op] = {}
   relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
   seen: dict[tuple, Op] = {}
   kept: list[Op] = []
@@ -312,9 +315,9 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    case = _only_case(op)
-    if case is not None:
-      alias[op.outputs[0]] = case
+    same = _only_case(op) or _needless_abs(op, makers)
+    if same is not None:
+      alias[op.outputs[0]] = same
       continue
     if _reshapes_in_effect(op):
       source, result = op.inputs[0], op.outputs[0]
@@ -330,6 +333,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     if key is not None:
       seen[key] = op
     kept.append(op)
+    makers.update((v, op) for v in op.outputs)
   return kept, tuple(sub(a) for a in outputs)
 
 
@@ -339,6 +343,20 @@ def _only_case(op: Op) -> Value | None:
     return None
   first = op.inputs[1]
   return first if isinstance(first, Value) and all(c is first for c in op.inputs[2:]) else None
+
+
+def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
+  """The operand of an ``abs`` of a real value that cannot be negative (a square ``x * x``, or an
+  ``abs``), else None: XLA's algebraic simplifier drops such an abs (its ``IsNonNegative``, for
+  integers too, as the programs compared with spmd's are compiled by it)."""
+  x = op.inputs[0] if op.primitive == "abs" else None
+  if not isinstance(x, Value) or jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return None
+  maker = makers.get(x)
+  if maker is None:
+    return None
+  squared = maker.primitive == "mul" and maker.inputs[0] is maker.inputs[1]
+  return x if maker.primitive in ("square", "abs") or squared else None
 
 
 def _hoist_invariants(ops: list[Op]) -> list[Op]:
