@@ -9,12 +9,12 @@ from typing import Any, Callable, Mapping
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotation_spec
-from spmd.partition.cse import duplicates
+from spmd.partition.cse import Duplicates
 from spmd.partition.execution import ExecutionPlanner
 from spmd.partition.ir import Program, Value
 from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
 from spmd.partition.rendering import render_plan
-from spmd.partition.schedule import Schedule, schedule
+from spmd.partition.schedule import ProgramFacts, Schedule, program_facts, schedule
 from spmd.partition.sharding import MeshShape, TensorSharding
 from spmd.partition.trips import trip_counts
 from spmd.partition.wire import wire_for
@@ -71,10 +71,13 @@ class Planner:
     self.propagator = Propagator(program, mesh)
     self.executions = ExecutionPlanner(mesh, wire_for(platform))
     self.trips = trip_counts(program)
+    self.duplicates = Duplicates(program)
     self.annotations = annotation_seeds(program, mesh, resolve)
     # A schedule depends only on the shardings and the boundary's forms: boundaries that
     # propagate alike (the search's candidates often do) share one.
     self._schedules: dict[tuple, Schedule] = {}
+    self._step_bytes: dict[Schedule, int] = {}
+    self._program_facts: dict[tuple, ProgramFacts] = {}
 
   def analyze(self, boundary: Boundary) -> Analysis:
     return self.render(self.schedule(boundary))
@@ -97,13 +100,24 @@ class Planner:
     sched = self._schedules.get(key)
     if sched is None:
       sched = self._schedules[key] = schedule(
-          program, prop.constraints, prop.shardings, inputs, entries, outputs, self.executions,
-          duplicates(program, prop.shardings))
+          program, self._facts(prop), prop.shardings, inputs, entries, outputs, self.executions)
     return Scheduled(boundary, prop, sched, wanted)
+
+  def _facts(self, prop: Propagation) -> ProgramFacts:
+    """The program's facts for scheduling ``prop``: one per set of repeated ops (every
+    propagation of one Propagator shares its constraints)."""
+    duplicates = self.duplicates(prop.shardings)
+    key = tuple(duplicates.items())
+    if key not in self._program_facts:
+      self._program_facts[key] = program_facts(self.program, prop.constraints, duplicates)
+    return self._program_facts[key]
 
   def step_bytes(self, scheduled: Scheduled) -> int:
     """The rendered plan's ``step_bytes``."""
-    return scheduled.schedule.step_bytes(self.trips)
+    sched = scheduled.schedule
+    if sched not in self._step_bytes:
+      self._step_bytes[sched] = sched.step_bytes(self.trips)
+    return self._step_bytes[sched]
 
   def render(self, scheduled: Scheduled) -> Analysis:
     plan = render_plan(self.program, scheduled.propagation, scheduled.schedule,

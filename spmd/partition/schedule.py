@@ -112,23 +112,40 @@ def _moved(t: Transfer) -> int:
   return sum(step.bytes for step in t.steps if step.communicates)
 
 
+@dataclass(frozen=True)
+class ProgramFacts:
+  """What scheduling reads of a program besides its shardings, the same for every plan of it
+  that repeats the same ops (the search schedules dozens): each op's constraints, which values
+  may carry a pending partial sum to their reader, and every name of each value."""
+
+  by_op: Mapping[int, list[Constraint]]
+  partial_ok: Mapping[Value, bool]
+  names: Mapping[Value, tuple[Value, ...]]
+  duplicates: Mapping[Op, Op]
+
+
+def program_facts(program: Program, constraints: list[Constraint],
+                  duplicates: Mapping[Op, Op]) -> ProgramFacts:
+  """``duplicates``: ops repeating an earlier op (cse.py), which run nothing."""
+  by_op: dict[int, list[Constraint]] = {}
+  for c in constraints:
+    by_op.setdefault(c.op.index, []).append(c)
+  return ProgramFacts(by_op, _partial_ok(program, by_op, duplicates, program.value_depths),
+                      _names(program, duplicates), duplicates)
+
+
 class _Scheduler:
-  def __init__(self, program: Program, constraints: list[Constraint],
-               shardings: Mapping[Value, TensorSharding], executions: ExecutionPlanner,
-               duplicates: Mapping[Op, Op]):
+  def __init__(self, program: Program, facts: ProgramFacts,
+               shardings: Mapping[Value, TensorSharding], executions: ExecutionPlanner):
     self.shardings, self.mesh, self.wire = shardings, executions.mesh, executions.wire
-    self.duplicates = duplicates
-    self.by_op: dict[int, list[Constraint]] = {}
-    for c in constraints:
-      self.by_op.setdefault(c.op.index, []).append(c)
+    self.duplicates, self.by_op = facts.duplicates, facts.by_op
+    self.partial_ok, self.names = facts.partial_ok, facts.names
     self.scopes = program.value_depths
-    self.partial_ok = _partial_ok(program, self.by_op, duplicates, self.scopes)
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
     self.halo_pieces: set[tuple] = set()
     self.enclosing: list[list[Transfer]] = []  # per depth: transfers before the op scheduled
     self.reads = program.reads
-    self.names = _names(program, duplicates)
     self.annotations = program.annotations
     self.kinds: dict[Op, Hashable | None] = {}
     self.executions = executions
@@ -413,15 +430,13 @@ def _local_bytes(x: Value, s: TensorSharding, mesh: MeshShape) -> int:
   return math.prod(s.local_shape(x.shape, mesh)) * x.dtype.itemsize
 
 
-def schedule(program: Program, constraints: list[Constraint],
-             shardings: Mapping[Value, TensorSharding], inputs: tuple[TensorSharding, ...],
-             entries: tuple[TensorSharding | None, ...], outputs: tuple[TensorSharding, ...],
-             executions: ExecutionPlanner, duplicates: Mapping[Op, Op]) -> Schedule:
+def schedule(program: Program, facts: ProgramFacts, shardings: Mapping[Value, TensorSharding],
+             inputs: tuple[TensorSharding, ...], entries: tuple[TensorSharding | None, ...],
+             outputs: tuple[TensorSharding, ...], executions: ExecutionPlanner) -> Schedule:
   """``inputs``: the form each input arrives in; ``entries``: the form it is resharded to first
   (None: kept as it arrives); ``outputs``: the forms handed back; ``executions``: plans the ops'
-  executions and the reshards, priced for the backend compiled for; ``duplicates``: ops
-  repeating an earlier op (cse.py), which run nothing."""
-  s = _Scheduler(program, constraints, shardings, executions, duplicates)
+  executions and the reshards, priced for the backend compiled for."""
+  s = _Scheduler(program, facts, shardings, executions)
   for v in program.consts:
     s.forms[v] = [TensorSharding.replicated(len(v.shape))]
   for v, arrives in zip(program.inputs, inputs):
@@ -435,5 +450,6 @@ def schedule(program: Program, constraints: list[Constraint],
   for k, (x, want) in enumerate(zip(program.outputs, outputs)):
     if isinstance(x, Value):
       s.acquire(x, want, exit_transfers, Slot("output", k))
-  return Schedule(inputs, entry, ops, exit_transfers, outputs, s.aliases, dict(duplicates))
+  return Schedule(inputs, entry, ops, exit_transfers, outputs, s.aliases,
+                  dict(facts.duplicates))
 
