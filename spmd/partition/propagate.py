@@ -193,6 +193,11 @@ class Propagator:
     self.kinds: dict[tuple, int] = {}
     self.outcomes: dict[tuple, _Outcome] = {}
     self.open_kinds = [self.kind(i, {}) for i in range(len(self.constraints))]
+    # The constraints each level applies, forward then backward: pass-through rules first, then
+    # every rule, then every rule again with broadcasts' operands open to them (_Engine.run)
+    passing = [i for i, c in enumerate(self.constraints) if c.rule.pass_through]
+    every = list(range(len(self.constraints)))
+    self.sweeps = [passing + passing[::-1], every + every[::-1], every + every[::-1]]
     self._shardings: dict[tuple[Axes, ...], TensorSharding] = {}
 
   def __call__(self, seeds: Mapping[Value, Seed]) -> Propagation:
@@ -233,7 +238,7 @@ class _Engine:
       self.origins[value] = seed.origin
     self.constraints, self.parts = propagator.constraints, propagator.parts
     self.largest, self.readers = propagator.largest, propagator.readers
-    self.outcomes = propagator.outcomes
+    self.outcomes, self.sweeps = propagator.outcomes, propagator.sweeps
     self.kind = list(propagator.open_kinds)
     for v in self.closed:
       for i in self.readers.get(v, ()):
@@ -245,15 +250,14 @@ class _Engine:
     self.deferred: set[int] = set()  # constraints that left a broadcast's operand out
 
   def run(self) -> None:
-    for level in (0, 1, 2):
-      active = [i for i, c in enumerate(self.constraints) if level or c.rule.pass_through]
+    for level, sweep in enumerate(self.sweeps):
       self.broadcasting = level == 2
       for i in self.deferred if self.broadcasting else ():
         self.dirty[i] = True  # now they may write what they could not before
       changed = True
       while changed:
         changed = False
-        for i in active + active[::-1]:
+        for i in sweep:
           if self.dirty[i]:
             changed |= self.apply(i)
 

@@ -98,6 +98,8 @@ class Schedule:
     iteration inside a while loop): the plan's ``step_bytes``, without rendering the plan."""
     total = sum(_moved(t) for t in self.entry + self.exit)
     for s in self.walk():
+      if not (s.transfers or s.halo_hops or s.regions or s.body_collectives):
+        continue  # most ops move nothing
       runs = trips[s.op.index]
       inner = region_trips(s.op, runs) or 1
       total += (runs or 1) * (sum(map(_moved, s.transfers))
