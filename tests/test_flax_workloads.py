@@ -15,7 +15,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import assert_partitioned_matches, assert_trees_match, check_plan, mesh_of, randn
+from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of, randn,
+                     train_loop)
 
 
 # --- Gemma-style NNX decoder (examples/gemma): RMSNorm, RoPE, GQA, gated GeLU, tied embedding ----
@@ -185,11 +186,154 @@ def test_nnx_gemma_train_then_greedy_sample_with_kv_cache(mesh):
   assert_trees_match(nnx.state(ours[0]), nnx.state(reference[0]), rtol=1e-4, atol=1e-5)
   check_plan(step, *ours, tokens)
 
-  model, prompt = ours[0], tokens[:, :3]
-  want, _ = nnx.jit(greedy_sample, static_argnums=3)(model, prompt, -1, 8)
-  eos = int(want[0, 4])  # the first sequence's second sampled token: the loop stops early
+  # every sequence has sampled token 6 by the fifth of 8 steps: the while loop stops there
+  prompt = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, (4, 3)), jnp.int32)
+  model, eos, steps = reference[0], 6, 8
   sample = spmd.partition(greedy_sample, mesh=mesh, in_specs=(None, P("batch"), P()),
                           static_argnums=3, rules=GEMMA_RULES)
-  want = nnx.jit(greedy_sample, static_argnums=3)(model, prompt, eos, 8)
-  assert_trees_match(sample(model, prompt, eos, 8), want)
-  check_plan(sample, model, prompt, eos, 8)
+  want = nnx.jit(greedy_sample, static_argnums=3)(model, prompt, eos, steps)
+  assert int(want[1]) < prompt.shape[1] + steps - 1
+  assert_trees_match(sample(model, prompt, eos, steps), want)
+  check_plan(sample, model, prompt, eos, steps)
+
+
+# --- linen autoregressive decoding (examples/lm1b predict_step): the mutable "cache" collection --
+
+DECODE_RULES = (("batch", "data"), ("kv", "model"), ("mlp", "model"), ("vocab", None),
+                ("embed", None))
+
+
+class CachedDecoder(nn.Module):
+  """lm1b's decoder, one layer: learned positions whose index is kept in the "cache" collection
+  beside the attention's keys and values when ``decode``."""
+  decode: bool = False
+  vocab: int = 16
+  length: int = 12
+
+  @nn.compact
+  def __call__(self, tokens):
+    names = lambda *n: nn.with_logical_partitioning(nn.initializers.lecun_normal(), n)  # noqa
+    x = nn.Embed(self.vocab, 16, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+    positions = self.param("pos_embedding", nn.initializers.normal(0.02), (self.length, 16))
+    if self.decode:
+      initialized = self.has_variable("cache", "position")
+      index = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+      if initialized:
+        x = x + lax.dynamic_slice_in_dim(positions, index.value, 1)[None]
+        index.value += 1
+      mask = None  # the cache masks the positions not yet written
+    else:
+      x = x + positions[None, :x.shape[1]]
+      mask = nn.make_causal_mask(tokens)
+    y = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, decode=self.decode,
+                                        kernel_init=names("embed", "kv"))(nn.LayerNorm()(x),
+                                                                          mask=mask)
+    x = x + y
+    z = nn.relu(nn.Dense(32, kernel_init=names("embed", "mlp"))(nn.LayerNorm()(x)))
+    x = x + nn.Dense(16, kernel_init=names("mlp", "embed"))(z)
+    return nn.Dense(self.vocab, kernel_init=names("embed", "vocab"))(nn.LayerNorm()(x))
+
+
+def predict(params, cache, prompt):
+  """Greedy decoding as lm1b's predict_step: one token per fori_loop trip through
+  ``apply(..., mutable=["cache"])``; prompt tokens are fed until their end."""
+  model = CachedDecoder(decode=True)
+  batch, prompt_len = prompt.shape
+  tokens = jnp.zeros((batch, model.length), jnp.int32).at[:, :prompt_len].set(prompt)
+
+  def body(i, carry):
+    cache, tokens = carry
+    logits, variables = model.apply({"params": params, "cache": cache},
+                                    lax.dynamic_slice_in_dim(tokens, i, 1, axis=1),
+                                    mutable=["cache"])
+    sampled = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    following = lax.dynamic_slice_in_dim(tokens, i + 1, 1, axis=1)[:, 0]
+    following = jnp.where(i + 1 < prompt_len, following, sampled)
+    return variables["cache"], lax.dynamic_update_slice(tokens, following[:, None], (0, i + 1))
+
+  return lax.fori_loop(0, model.length - 1, body, (cache, tokens))
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+def test_linen_decode_with_mutable_cache(mesh, batch):
+  """The partitioned decode loop against the jitted one (6 sequences over 8: uneven)."""
+  trained = CachedDecoder()
+  prompt = jnp.asarray(np.random.default_rng(1).integers(1, 16, (batch, 4)), jnp.int32)
+  variables = jax.jit(trained.init)(jax.random.key(0), prompt)
+  params, param_specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
+  decoder = CachedDecoder(decode=True)
+  cache = nn.unbox(decoder.init(jax.random.key(0), jnp.ones((batch, decoder.length),
+                                                            jnp.int32))["cache"])
+  decode = spmd.partition(predict, mesh=mesh_of(mesh), in_specs=(param_specs, None, P("batch")),
+                          rules=DECODE_RULES)
+  got, want = decode(params, cache, prompt), jax.jit(predict)(params, cache, prompt)
+  assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+  check_plan(decode, params, cache, prompt)
+
+
+# --- ogbg-molpcba-style GNN (examples/ogbg_molpcba): flat node / edge arrays, segment ops ---------
+
+class GraphNet(nn.Module):
+  """Message passing over a batch of graphs given as flat arrays (jraph's GraphsTuple layout):
+  edge updates from their endpoints, node updates from the sum and max of incoming messages,
+  then a mean over each graph's nodes."""
+  tasks: int = 6
+
+  @nn.compact
+  def __call__(self, nodes, edges, senders, receivers, node_graph, graphs: int):
+    h, e = nn.Dense(16)(nodes), nn.Dense(16)(edges)
+    for _ in range(2):
+      e = e + nn.relu(nn.Dense(16)(jnp.concatenate([h[senders], h[receivers], e], -1)))
+      total = jax.ops.segment_sum(e, receivers, num_segments=h.shape[0])
+      largest = jax.ops.segment_max(e, receivers, num_segments=h.shape[0])
+      largest = jnp.where(jnp.isfinite(largest), largest, 0.0)  # nodes without incoming edges
+      h = h + nn.relu(nn.Dense(16)(jnp.concatenate([h, total, largest], -1)))
+    counts = jax.ops.segment_sum(jnp.ones_like(node_graph), node_graph, num_segments=graphs)
+    pooled = jax.ops.segment_sum(h, node_graph, num_segments=graphs)
+    return nn.Dense(self.tasks)(pooled / jnp.maximum(counts, 1)[:, None])
+
+
+def random_graphs(nodes_per_graph: list[int], edges: int, seed: int = 0) -> dict:
+  """A batch of graphs with ``edges`` edges, each inside one graph, and labels with a mask (the
+  molpcba labels are mostly missing)."""
+  r = np.random.default_rng(seed)
+  node_graph = np.repeat(np.arange(len(nodes_per_graph)), nodes_per_graph).astype(np.int32)
+  starts = np.cumsum([0] + nodes_per_graph[:-1])
+  edge_graph = r.integers(0, len(nodes_per_graph), edges)
+  pick = lambda: (starts[edge_graph] + r.integers(0, 1 << 30, edges)  # noqa: E731
+                  % np.asarray(nodes_per_graph)[edge_graph]).astype(np.int32)
+  return {"nodes": randn(len(node_graph), 5, seed=seed), "edges": randn(edges, 3, seed=seed + 1),
+          "senders": pick(), "receivers": pick(), "node_graph": node_graph,
+          "labels": (r.random((len(nodes_per_graph), 6)) > 0.5).astype(np.float32),
+          "mask": r.random((len(nodes_per_graph), 6)) > 0.3}
+
+
+@pytest.mark.parametrize("mesh,edges,spec", [
+    ("8x1", 24, {"edges": P("data"), "senders": P("data"), "receivers": P("data")}),
+    ("2x4", 21, {"edges": P("model"), "senders": P("model"), "receivers": P("model")}),
+    ("8x1", 21, {"nodes": P("data"), "node_graph": P("data")})])
+def test_gnn_segment_message_passing_train_step(mesh, edges, spec):
+  """Edges (24 or 21: uneven) or nodes (15 over 8: uneven) sharded; the loss is a masked
+  binary cross-entropy over the graphs' tasks, then an adam step."""
+  model, tx = GraphNet(), optax.adam(1e-2)
+  graphs = random_graphs([3, 5, 4, 3], edges)
+  features = tuple(graphs[k] for k in ("nodes", "edges", "senders", "receivers", "node_graph"))
+  params = jax.jit(model.init, static_argnums=6)(jax.random.key(0), *features, 4)["params"]
+
+  def step(params, opt_state, graphs):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, graphs["nodes"], graphs["edges"],
+                           graphs["senders"], graphs["receivers"], graphs["node_graph"], 4)
+      loss = optax.sigmoid_binary_cross_entropy(logits, graphs["labels"])
+      return jnp.sum(jnp.where(graphs["mask"], loss, 0.0)) / jnp.sum(graphs["mask"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  in_specs = (None, None, {k: spec.get(k) for k in graphs})
+  partitioned = spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs)
+  batches = [(random_graphs([3, 5, 4, 3], edges, seed=s),) for s in range(3)]
+  train_loop(jax.jit(step), partitioned, (params, tx.init(params)), batches, rtol=1e-4,
+             atol=1e-5)
