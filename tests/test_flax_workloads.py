@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -337,3 +338,85 @@ def test_gnn_segment_message_passing_train_step(mesh, edges, spec):
   batches = [(random_graphs([3, 5, 4, 3], edges, seed=s),) for s in range(3)]
   train_loop(jax.jit(step), partitioned, (params, tx.init(params)), batches, rtol=1e-4,
              atol=1e-5)
+
+
+# --- PPO (examples/ppo): GAE by a reverse scan, clipped surrogate, shuffled minibatch epochs -------
+
+class ActorCritic(nn.Module):
+  actions: int = 4
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.tanh(nn.Dense(32)(x))
+    h = nn.tanh(nn.Dense(32)(h))
+    return nn.Dense(self.actions)(h), nn.Dense(1)(h)[..., 0]
+
+
+def gae_advantages(rewards, dones, values, gamma: float = 0.99, lam: float = 0.95):
+  """Generalized advantage estimates over [T, N] rollouts (values [T + 1, N]), by a reverse
+  scan over time; returns (advantages, returns)."""
+  def backward(advantage, step):
+    reward, done, value, following = step
+    delta = reward + gamma * following * (1 - done) - value
+    advantage = delta + gamma * lam * (1 - done) * advantage
+    return advantage, advantage
+
+  _, advantages = lax.scan(backward, jnp.zeros_like(values[0]),
+                           (rewards, dones, values[:-1], values[1:]), reverse=True)
+  return advantages, advantages + values[:-1]
+
+
+def ppo_update(state, rollout, key, epochs: int = 2, minibatches: int = 2, clip: float = 0.2):
+  """One PPO iteration on a rollout of [T, N] steps: advantages, then ``epochs`` passes (a
+  fori_loop) over the T * N samples shuffled by jax.random.permutation, a minibatch per scan
+  step. Returns the state and the last minibatch's loss."""
+  advantages, returns = gae_advantages(rollout["rewards"], rollout["dones"], rollout["values"])
+  samples = {"obs": rollout["obs"], "actions": rollout["actions"],
+             "log_probs": rollout["log_probs"], "advantages": advantages, "returns": returns}
+  samples = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), samples)
+  size = samples["actions"].shape[0]
+
+  def loss_fn(params, batch):
+    logits, values = state.apply_fn({"params": params}, batch["obs"])
+    log_probs = jax.nn.log_softmax(logits)
+    taken = jnp.take_along_axis(log_probs, batch["actions"][:, None], axis=1)[:, 0]
+    ratio = jnp.exp(taken - batch["log_probs"])
+    advantage = batch["advantages"]
+    advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+    surrogate = jnp.minimum(ratio * advantage, jnp.clip(ratio, 1 - clip, 1 + clip) * advantage)
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    value_loss = jnp.square(batch["returns"] - values)
+    return -surrogate.mean() + 0.5 * value_loss.mean() - 0.01 * entropy.mean()
+
+  def minibatch(state, indices):
+    batch = jax.tree.map(lambda x: x[indices], samples)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  def epoch(i, carry):
+    state, _ = carry
+    order = jax.random.permutation(jax.random.fold_in(key, i), size)
+    state, losses = lax.scan(minibatch, state, order.reshape(minibatches, -1))
+    return state, losses[-1]
+
+  return lax.fori_loop(0, epochs, epoch, (state, jnp.zeros(())))
+
+
+@pytest.mark.parametrize("mesh,envs", [("2x4", 4), ("8x1", 8)])
+def test_ppo_update_epochs_of_shuffled_minibatches(mesh, envs):
+  """The rollout's environments over "data" (4 over 2, 8 over 8)."""
+  steps, model = 4, ActorCritic()
+  r = np.random.default_rng(0)
+  rollout = {"obs": randn(steps, envs, 6), "actions": r.integers(0, 4, (steps, envs)),
+             "rewards": randn(steps, envs, seed=1), "values": randn(steps + 1, envs, seed=2),
+             "dones": (r.random((steps, envs)) > 0.8).astype(np.float32),
+             "log_probs": -np.abs(randn(steps, envs, seed=3)) - 1.0}
+  rollout["actions"] = rollout["actions"].astype(np.int32)
+  params = jax.jit(model.init)(jax.random.key(0), rollout["obs"][0])["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.chain(optax.clip_by_global_norm(0.5),
+                                                       optax.adam(3e-3)))
+  specs = {k: P(None, "data") for k in rollout}
+  assert_partitioned_matches(ppo_update, (state, rollout, jax.random.key(1)),
+                             (None, specs, P()), mesh_of(mesh), reference=jax.jit(ppo_update),
+                             rtol=1e-4, atol=1e-5)
