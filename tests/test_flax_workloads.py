@@ -420,3 +420,77 @@ def test_ppo_update_epochs_of_shuffled_minibatches(mesh, envs):
   assert_partitioned_matches(ppo_update, (state, rollout, jax.random.key(1)),
                              (None, specs, P()), mesh_of(mesh), reference=jax.jit(ppo_update),
                              rtol=1e-4, atol=1e-5)
+
+
+# --- seq2seq (examples/seq2seq): LSTM encoder-decoder, teacher forcing or one-hot feedback --------
+
+class DecoderLSTMCell(nn.RNNCellBase):
+  """One decoding step: the LSTM reads the target token (teacher forcing) or the one-hot of its
+  own previous argmax, and predicts the next token."""
+  features: int
+  vocab: int
+  teacher_force: bool
+
+  @nn.compact
+  def __call__(self, carry, x):
+    lstm_state, previous = carry
+    if not self.teacher_force:
+      x = previous
+    lstm_state, y = nn.LSTMCell(self.features)(lstm_state, x)
+    logits = nn.Dense(self.vocab)(y)
+    prediction = jax.nn.one_hot(jnp.argmax(logits, axis=-1), self.vocab, dtype=x.dtype)
+    return (lstm_state, prediction), (logits, prediction)
+
+  @property
+  def num_feature_axes(self) -> int:
+    return 1
+
+
+class Seq2seq(nn.Module):
+  teacher_force: bool
+  features: int = 16
+  vocab: int = 8
+
+  @nn.compact
+  def __call__(self, inputs, targets):
+    """inputs [B, S, vocab], targets [B, T, vocab] (one-hot); targets[:, 0] is the start
+    token. Returns logits [B, T - 1, vocab] and predictions."""
+    encoder = nn.RNN(nn.LSTMCell(self.features), return_carry=True)
+    carry, _ = encoder(inputs)
+    decoder = nn.scan(DecoderLSTMCell, variable_broadcast="params",
+                      split_rngs={"params": False}, in_axes=1, out_axes=1)
+    _, (logits, predictions) = decoder(self.features, self.vocab, self.teacher_force)(
+        (carry, targets[:, 0]), targets[:, :-1])
+    return logits, predictions
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+def test_seq2seq_teacher_forced_train_step_and_greedy_decode(mesh, batch):
+  r = np.random.default_rng(0)
+  inputs = jax.nn.one_hot(r.integers(2, 8, (batch, 5)), 8)
+  targets = jax.nn.one_hot(np.concatenate([np.zeros((batch, 1), int),
+                                           r.integers(2, 8, (batch, 4))], 1), 8)
+  lengths = jnp.asarray(r.integers(2, 5, batch), jnp.int32)
+  model, tx = Seq2seq(teacher_force=True), optax.adam(1e-2)
+  params = jax.jit(model.init)(jax.random.key(0), inputs, targets)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def train_step(state, inputs, targets, lengths):
+    def loss_fn(params):
+      logits, _ = state.apply_fn({"params": params}, inputs, targets)
+      mask = jnp.arange(logits.shape[1]) < lengths[:, None]
+      loss = optax.softmax_cross_entropy(logits, targets[:, 1:])
+      return jnp.sum(loss * mask) / jnp.sum(mask)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  def decode(params, inputs, targets):
+    return Seq2seq(teacher_force=False).apply({"params": params}, inputs, targets)[1]
+
+  mesh = mesh_of(mesh)
+  step = spmd.partition(train_step, mesh=mesh, in_specs=(None, P("data"), P("data"), P("data")))
+  batches = [(jnp.roll(inputs, s, axis=1), targets, lengths) for s in range(3)]
+  train_loop(jax.jit(train_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
+  assert_partitioned_matches(decode, (params, inputs, targets), (None, P("data"), P("data")),
+                             mesh, reference=jax.jit(decode))
