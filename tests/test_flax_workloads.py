@@ -4,6 +4,8 @@ a Gemma-style NNX decoder trained and sampled with a KV cache, linen autoregress
 with the "cache" collection, an ogbg-molpcba-style GNN, PPO, an LSTM seq2seq and an ImageNet
 ResNet stage in bfloat16. Each is checked against the unpartitioned function, step by step
 where a loop feeds the state back (helpers.train_loop / check_plan)."""
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -494,3 +496,83 @@ def test_seq2seq_teacher_forced_train_step_and_greedy_decode(mesh, batch):
   train_loop(jax.jit(train_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
   assert_partitioned_matches(decode, (params, inputs, targets), (None, P("data"), P("data")),
                              mesh, reference=jax.jit(decode))
+
+
+# --- ImageNet ResNet stage (examples/imagenet): bottleneck blocks, BatchNorm, bfloat16 compute -----
+
+class BottleneckBlock(nn.Module):
+  filters: int
+  strides: tuple = (1, 1)
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    conv = lambda *a, **k: nn.Conv(*a, use_bias=False, dtype=jnp.bfloat16, **k)  # noqa: E731
+    norm = lambda **k: nn.BatchNorm(use_running_average=not train, momentum=0.9,  # noqa: E731
+                                    epsilon=1e-5, dtype=jnp.bfloat16, **k)
+    residual = x
+    y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
+    y = nn.relu(norm()(conv(self.filters, (3, 3), strides=self.strides)(y)))
+    y = norm(scale_init=nn.initializers.zeros)(conv(self.filters * 4, (1, 1))(y))
+    if residual.shape != y.shape:
+      residual = norm(name="norm_proj")(
+          conv(self.filters * 4, (1, 1), strides=self.strides, name="conv_proj")(residual))
+    return nn.relu(residual + y)
+
+
+class ResNetStage(nn.Module):
+  """A stem (conv, BatchNorm, max pool), then one stage of two bottleneck blocks, the first
+  downsampling."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Conv(8, (3, 3), strides=(2, 2), use_bias=False, dtype=jnp.bfloat16, name="conv_init")(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=jnp.bfloat16,
+                     name="bn_init")(x)
+    x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
+    x = BottleneckBlock(4, strides=(2, 2))(x, train)
+    x = BottleneckBlock(4)(x, train)
+    return nn.Dense(10, dtype=jnp.bfloat16)(jnp.mean(x, axis=(1, 2))).astype(jnp.float32)
+
+
+class ImagenetState(train_state.TrainState):
+  batch_stats: Any
+
+
+def imagenet_train_step(state, batch):
+  def loss_fn(params):
+    logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                     batch["image"], mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    decay = sum(jnp.sum(p ** 2) for p in jax.tree.leaves(params) if p.ndim > 1)
+    return loss + 1e-4 * 0.5 * decay, (updates["batch_stats"], logits)
+
+  (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+  return state, {"loss": loss, "accuracy": accuracy}
+
+
+def imagenet_eval_step(state, batch):
+  logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
+                          batch["image"], train=False)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 8), ("8x1", 6)])
+def test_imagenet_resnet_stage_bfloat16_batchnorm(mesh, batch):
+  """3 training steps (6 images over 8: uneven), then the eval step on the trained state."""
+  model = ResNetStage()
+  images = randn(batch, 16, 16, 3)
+  variables = jax.jit(model.init)(jax.random.key(0), images)
+  state = ImagenetState.create(apply_fn=model.apply, params=variables["params"],
+                               tx=optax.sgd(0.1, momentum=0.9, nesterov=True),
+                               batch_stats=variables["batch_stats"])
+  batches = [({"image": randn(batch, 16, 16, 3, seed=s), "label": jnp.arange(batch) % 10},)
+             for s in range(3)]
+  mesh = mesh_of(mesh)
+  step = spmd.partition(imagenet_train_step, mesh=mesh, in_specs=(None, P("data")))
+  train_loop(jax.jit(imagenet_train_step), step, (state,), batches, rtol=2e-2, atol=2e-2)
+  trained, _ = jax.jit(imagenet_train_step)(state, *batches[0])
+  assert_partitioned_matches(imagenet_eval_step, (trained, *batches[1]), (None, P("data")), mesh,
+                             reference=jax.jit(imagenet_eval_step), rtol=2e-2, atol=2e-2)
