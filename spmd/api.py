@@ -242,13 +242,16 @@ class Partitioned:
                   for i in range(count)])
       return out, nnx.state(nodes)
 
-    given = (self.in_specs if isinstance(self.in_specs, (tuple, list)) else
-             (self.in_specs,) * count)
-    if len(given) != count:
-      raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {count} arguments")
-    state_specs = type(state)({k: given[i] for k, i in zip(state.keys(), positions)})
-    in_specs = (state_specs, *(g for i, g in enumerate(given) if i not in positions))
     kept = {i % count for i in self.static_argnums}
+    dynamic = [i for i in range(count) if i not in kept]  # in_specs name these, as without NNX
+    given = (self.in_specs if isinstance(self.in_specs, (tuple, list)) else
+             (self.in_specs,) * len(dynamic))
+    if len(given) != len(dynamic):
+      raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {len(dynamic)} "
+                       "non-static arguments")
+    spec_of = dict(zip(dynamic, given))
+    state_specs = type(state)({k: spec_of[i] for k, i in zip(state.keys(), positions)})
+    in_specs = (state_specs, *(spec_of[i] for i in dynamic if i not in positions))
     static = tuple(1 + sum(1 for j in range(i) if j not in positions) for i in sorted(kept))
     return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, (),
                        self.backend, self._rules.rules, self.auto, self.memory_limit)

@@ -140,3 +140,35 @@ def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
 def missing_rules(plan: spmd.Plan) -> list[str]:
   """The plan's warnings about primitives without a sharding rule."""
   return [w for w in plan.warnings if "has no sharding rule" in w]
+
+
+# The ("data", "model") meshes of the flax example tests, by name.
+FLAX_MESHES: dict[str, dict[str, int]] = {
+    "2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1}, "1x8": {"data": 1, "model": 8}}
+
+
+def mesh_of(name: str) -> Mesh:
+  """The flax tests' mesh called ``name`` (see ``FLAX_MESHES``)."""
+  return spmd.make_mesh(FLAX_MESHES[name])
+
+
+def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
+  """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
+  NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
+  replicated for want of a rule. Returns the plan."""
+  plan = partitioned.plan(*args, **kwargs)
+  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
+  assert not missing_rules(plan), plan.explain()
+  return plan
+
+
+def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,
+               **tolerance: Any) -> spmd.Plan:
+  """Steps feeding the state back, partitioned beside ``reference`` (the jitted step): their
+  states and losses stay equal; then ``check_plan``. Returns the plan."""
+  want = got = state
+  for batch in batches:
+    *want, want_loss = reference(*want, *batch)
+    *got, got_loss = partitioned(*got, *batch)
+    assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
+  return check_plan(partitioned, *state, *batches[0])

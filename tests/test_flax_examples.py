@@ -17,38 +17,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, assert_plan_is_hlo, assert_trees_match,
-                     missing_rules, randn)
-
-MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
-          "1x8": {"data": 1, "model": 8}}
-
-
-def mesh_of(name: str):
-  return spmd.make_mesh(MESHES[name])
-
-
-def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
-  """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
-  NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
-  replicated for want of a rule. Returns the plan."""
-  plan = partitioned.plan(*args, **kwargs)
-  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
-  assert not missing_rules(plan), plan.explain()
-  return plan
-
-
-def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,
-               **tolerance: Any) -> spmd.Plan:
-  """Steps feeding the state back, partitioned beside ``reference`` (the jitted step): their
-  states and losses stay equal; then ``check_plan``. Returns the plan."""
-  want = got = state
-  for batch in batches:
-    *want, want_loss = reference(*want, *batch)
-    *got, got_loss = partitioned(*got, *batch)
-    assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
-  return check_plan(partitioned, *state, *batches[0])
-
+from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of, randn,
+                     train_loop)
 
 # --- linen MNIST CNN (examples/mnist) -----------------------------------------------------------
 
@@ -538,6 +508,21 @@ def test_nnx_modules_passed_by_keyword_are_updated():
                        nnx.jit(step)(*reference, batch), rtol=1e-5, atol=1e-6)
   assert_trees_match(nnx.state(model), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
   check_plan(partitioned, model, optimizer=optimizer, batch=batch)
+
+
+def test_nnx_module_with_static_argnums_takes_in_specs_of_the_non_static_arguments():
+  """As without modules, in_specs name the non-static arguments: an NNX call counted the static
+  one too and refused (model, x, power) with in_specs (None, P("data"))."""
+  def forward(model, x, power):
+    return model(x) ** power
+
+  model = nnx.Linear(12, 4, rngs=nnx.Rngs(0))
+  partitioned = spmd.partition(forward, mesh=mesh_of("2x4"), in_specs=(None, P("data")),
+                               static_argnums=2)
+  x = randn(8, 12)
+  assert_trees_match(partitioned(model, x, 3), nnx.jit(forward, static_argnums=2)(model, x, 3),
+                     rtol=1e-5, atol=1e-6)
+  check_plan(partitioned, model, x, 3)
 
 
 # --- NNX toy example 10 (FSDP and optimizer): a hand-written optimizer sharing the model's params --

@@ -116,6 +116,13 @@ def test_reductions_ignore_padding_values():
     assert_partitioned_matches(f, (x,), P("x", None), mesh)
 
 
+def test_python_scalar_argument_beside_an_uneven_input():
+  """Inputs are padded before the program where they split unevenly; a Python scalar beside
+  one (a TrainState's step) went through the padding too, which failed on an int."""
+  assert_partitioned_matches(lambda x, step: x * (step + 1), (data((6, 3)), 2),
+                             (P("x", None), None), "x8")
+
+
 def test_mean_var_std_use_the_global_count():
   x = data((7, 10))
   assert_partitioned_matches(

@@ -63,6 +63,10 @@ class _PaddedInputs:
 
 
 def _pad_global(x: Any, s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> Any:
+  """``x`` padded where ``s`` splits it unevenly; an even input (a Python scalar among them, as
+  a TrainState's step) as given."""
+  if s.divides(shape, mesh):
+    return x
   return pad_to(x, [-(-n // s.shards(d, mesh)) * s.shards(d, mesh) for d, n in enumerate(shape)])
 
 
