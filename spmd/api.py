@@ -340,7 +340,7 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    fn = lower(analysis, with_auto_axes(self.mesh), donated)
+    fn = lower(analysis, self.mesh, donated, self._returned_shardings(out_tree, analysis))
     steady = not self.mesh.is_multi_process and all(
         s.divides(v.shape, self._mesh_shape)
         for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -427,14 +427,36 @@ class Partitioned:
              _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments"))
     return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
+  def _given_out_specs(self, out_tree: Any, program: Any) -> list[P | NamedSharding | None]:
+    """Per output, its out_specs entry (None: open)."""
+    if self.out_specs is None:
+      return [None] * out_tree.num_leaves
+    outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
+    return _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+
   def _output_specs(self, out_tree: Any, program: Any) -> tuple[TensorSharding | None, ...]:
     if self.out_specs is None:
       return (None,) * out_tree.num_leaves
     outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
-    specs = _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+    specs = self._given_out_specs(out_tree, program)
     paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(specs, program.outputs, paths))
+
+  def _returned_shardings(self, out_tree: Any, analysis: Analysis) -> tuple[NamedSharding, ...]:
+    """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
+    output's out_specs entry as given where the program makes that sharding, else the
+    program's spec without trailing Nones (JAX's form of a sharding it infers)."""
+    out = []
+    for given, s, x in zip(self._given_out_specs(out_tree, analysis.program),
+                           analysis.schedule.outputs, analysis.program.outputs):
+      made = NamedSharding(self.mesh, _trimmed(s.to_spec()))
+      if isinstance(given, P) and not _names_logical(given, self.mesh):
+        given = NamedSharding(self.mesh, given)
+      ndim = len(x.aval.shape)
+      out.append(given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
+                 else made)
+    return tuple(out)
 
   def _sharding(self, spec: P | NamedSharding | None, shape: tuple[int, ...],
                 what: str) -> TensorSharding | None:
@@ -547,6 +569,14 @@ def _names_logical(spec: Any, mesh: Mesh) -> bool:
   """Whether a PartitionSpec names something other than ``mesh``'s axes (logical names)."""
   return isinstance(spec, P) and any(isinstance(e, str) and e not in mesh.axis_names
                                      for e in spec)
+
+
+def _trimmed(spec: P) -> P:
+  """``spec`` without its trailing None entries."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def _inexact(aval: Any) -> bool:
