@@ -468,6 +468,10 @@ class Partitioned:
         raise ValueError(f"{what}: {spec} is on another mesh than spmd.partition's "
                          f"{dict(self.mesh.shape)}")
       spec = spec.spec
+    if isinstance(spec, P) and any(e is P.UNCONSTRAINED for e in spec):
+      raise ValueError(f"spmd.partition: {what}: {spec} leaves a dim unconstrained, which (as "
+                       "in jax.jit) only an annotation inside the function may do; write None "
+                       "for the whole leaf to leave it to propagation")
     spec = self._rules.resolve(spec, what)
     sharding = TensorSharding.from_spec(spec, len(shape), self._mesh_shape, what=what)
     for d, n in enumerate(shape):
