@@ -206,12 +206,23 @@ class Partitioned:
     return self._compile(args)[0].analysis.plan
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """The program lowered as ``jax.jit`` lowers: ``.compile()`` gives a ``jax.stages.Compiled``
+    called with the non-static arguments (pytrees, as here) that returns the outputs' pytree."""
     args = self._positional(args, kwargs)
     if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
     compiled, leaves = self._compile(args)
-    return compiled.fn.lower(*self._placed(compiled.analysis, leaves))
+    static = {i % len(args) for i in self.static_argnums}
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    in_tree = jax.tree_util.tree_structure(tuple(args[i] for i in dyn_idx))
+    donated = {i % len(args) for i in self.donate_argnums}
+
+    def whole(*dyn: Any) -> Any:
+      return tree_unflatten(compiled.out_tree, compiled.fn(*jax.tree_util.tree_leaves(dyn)))
+
+    jitted = jax.jit(whole, donate_argnums=tuple(k for k, i in enumerate(dyn_idx) if i in donated))
+    return jitted.lower(*tree_unflatten(in_tree, self._placed(compiled.analysis, leaves)))
 
   # --- NNX modules as arguments ----------------------------------------------------------------
 
