@@ -9,6 +9,7 @@ import inspect
 import itertools
 import numbers
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -188,7 +189,13 @@ class Partitioned:
       compiled, leaves = self._compile(args)
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        return compiled.outputs(compiled.call(*leaves))
+        try:
+          return compiled.outputs(compiled.call(*leaves))
+        except TypeError as e:
+          clearer = _restate_forward_mode(e)
+          if clearer is None:
+            raise
+          raise clearer from None
       if key is not None:
         self._dispatch[key] = compiled
     if compiled.steady and key is not None:
@@ -671,6 +678,20 @@ def _weak_types(leaves: Sequence[Any]) -> tuple[bool, ...]:
 
 def _committed(leaf: Any) -> bool:
   return getattr(leaf, "committed", False)
+
+
+def _restate_forward_mode(e: TypeError) -> TypeError | None:
+  """JAX's refusal to differentiate a custom_vjp in forward mode (the partitioned function's
+  derivative is its partitioned VJP), restated with what works instead; None for any other
+  error."""
+  frames = traceback.extract_tb(e.__traceback__)
+  if not frames or frames[-1].name != "raise_custom_vjp_error_on_jvp":
+    return None
+  return TypeError("spmd.partition: forward-mode differentiation (jax.jvp, jax.jacfwd, "
+                   "jax.hessian) of a partitioned function is not supported: its derivative is a "
+                   "partitioned VJP (jax.grad, jax.value_and_grad, jax.vjp and "
+                   "jax.jacrev work). Differentiate inside instead: partition the function that "
+                   "calls jax.jvp / jax.jacfwd")
 
 
 def _check_leaf(name: str, leaf: Any) -> None:
