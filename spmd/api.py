@@ -9,6 +9,7 @@ import inspect
 import itertools
 import numbers
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -188,7 +189,13 @@ class Partitioned:
       compiled, leaves = self._compile(args)
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-        return compiled.outputs(compiled.call(*leaves))
+        try:
+          return compiled.outputs(compiled.call(*leaves))
+        except TypeError as e:
+          clearer = _restate_forward_mode(e)
+          if clearer is None:
+            raise
+          raise clearer from None
       if key is not None:
         self._dispatch[key] = compiled
     if compiled.steady and key is not None:
@@ -206,12 +213,23 @@ class Partitioned:
     return self._compile(args)[0].analysis.plan
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """The program lowered as ``jax.jit`` lowers: ``.compile()`` gives a ``jax.stages.Compiled``
+    called with the non-static arguments (pytrees, as here) that returns the outputs' pytree."""
     args = self._positional(args, kwargs)
     if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
     compiled, leaves = self._compile(args)
-    return compiled.fn.lower(*self._placed(compiled.analysis, leaves))
+    static = {i % len(args) for i in self.static_argnums}
+    dyn_idx = [i for i in range(len(args)) if i not in static]
+    in_tree = jax.tree_util.tree_structure(tuple(args[i] for i in dyn_idx))
+    donated = {i % len(args) for i in self.donate_argnums}
+
+    def whole(*dyn: Any) -> Any:
+      return tree_unflatten(compiled.out_tree, compiled.fn(*jax.tree_util.tree_leaves(dyn)))
+
+    jitted = jax.jit(whole, donate_argnums=tuple(k for k, i in enumerate(dyn_idx) if i in donated))
+    return jitted.lower(*tree_unflatten(in_tree, self._placed(compiled.analysis, leaves)))
 
   # --- NNX modules as arguments ----------------------------------------------------------------
 
@@ -343,7 +361,7 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    fn = lower(analysis, with_auto_axes(self.mesh), donated)
+    fn = lower(analysis, self.mesh, donated, self._returned_shardings(out_tree, analysis))
     steady = not self.mesh.is_multi_process and all(
         s.divides(v.shape, self._mesh_shape)
         for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -430,14 +448,36 @@ class Partitioned:
              _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments"))
     return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
+  def _given_out_specs(self, out_tree: Any, program: Any) -> list[P | NamedSharding | None]:
+    """Per output, its out_specs entry (None: open)."""
+    if self.out_specs is None:
+      return [None] * out_tree.num_leaves
+    outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
+    return _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+
   def _output_specs(self, out_tree: Any, program: Any) -> tuple[TensorSharding | None, ...]:
     if self.out_specs is None:
       return (None,) * out_tree.num_leaves
     outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
-    specs = _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+    specs = self._given_out_specs(out_tree, program)
     paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(specs, program.outputs, paths))
+
+  def _returned_shardings(self, out_tree: Any, analysis: Analysis) -> tuple[NamedSharding, ...]:
+    """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
+    output's out_specs entry as given where the program makes that sharding, else the
+    program's spec without trailing Nones (JAX's form of a sharding it infers)."""
+    out = []
+    for given, s, x in zip(self._given_out_specs(out_tree, analysis.program),
+                           analysis.schedule.outputs, analysis.program.outputs):
+      made = NamedSharding(self.mesh, _trimmed(s.to_spec()))
+      if isinstance(given, P) and not _names_logical(given, self.mesh):
+        given = NamedSharding(self.mesh, given)
+      ndim = len(x.aval.shape)
+      out.append(given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
+                 else made)
+    return tuple(out)
 
   def _sharding(self, spec: P | NamedSharding | None, shape: tuple[int, ...],
                 what: str) -> TensorSharding | None:
@@ -449,6 +489,10 @@ class Partitioned:
         raise ValueError(f"{what}: {spec} is on another mesh than spmd.partition's "
                          f"{dict(self.mesh.shape)}")
       spec = spec.spec
+    if isinstance(spec, P) and any(e is P.UNCONSTRAINED for e in spec):
+      raise ValueError(f"spmd.partition: {what}: {spec} leaves a dim unconstrained, which (as "
+                       "in jax.jit) only an annotation inside the function may do; write None "
+                       "for the whole leaf to leave it to propagation")
     spec = self._rules.resolve(spec, what)
     sharding = TensorSharding.from_spec(spec, len(shape), self._mesh_shape, what=what)
     for d, n in enumerate(shape):
@@ -552,6 +596,14 @@ def _names_logical(spec: Any, mesh: Mesh) -> bool:
                                      for e in spec)
 
 
+def _trimmed(spec: P) -> P:
+  """``spec`` without its trailing None entries."""
+  entries = list(spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
+
+
 def _inexact(aval: Any) -> bool:
   return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
@@ -629,6 +681,20 @@ def _weak_types(leaves: Sequence[Any]) -> tuple[bool, ...]:
 
 def _committed(leaf: Any) -> bool:
   return getattr(leaf, "committed", False)
+
+
+def _restate_forward_mode(e: TypeError) -> TypeError | None:
+  """JAX's refusal to differentiate a custom_vjp in forward mode (the partitioned function's
+  derivative is its partitioned VJP), restated with what works instead; None for any other
+  error."""
+  frames = traceback.extract_tb(e.__traceback__)
+  if not frames or frames[-1].name != "raise_custom_vjp_error_on_jvp":
+    return None
+  return TypeError("spmd.partition: forward-mode differentiation (jax.jvp, jax.jacfwd, "
+                   "jax.hessian) of a partitioned function is not supported: its derivative is a "
+                   "partitioned VJP (jax.grad, jax.value_and_grad, jax.vjp and "
+                   "jax.jacrev work). Differentiate inside instead: partition the function that "
+                   "calls jax.jvp / jax.jacfwd")
 
 
 def _check_leaf(name: str, leaf: Any) -> None:

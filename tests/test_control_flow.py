@@ -7,6 +7,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+import spmd
+
 from helpers import assert_partitioned_matches, randn
 
 # x is split over both axes and w over them the other way round: x @ w gathers w over "a" (the
@@ -146,3 +148,14 @@ def test_gradient_of_a_scanned_layer_stack():
   assert hoisted == [("all-gather", "float32[32,16]", 1)], plan.explain()
   accumulated = [c for c in _of_w(plan, "float32[32,16]") if c.kind == "all-reduce"]
   assert accumulated and all(c.trips == 6 for c in accumulated), plan.explain()
+
+
+def test_loop_carry_annotated_otherwise_than_its_reader_wants():
+  """A fori_loop whose body pins its carry to one sharding, read by a cond whose branch pins
+  another: the loop's links have several executions, which were priced from forms of the body's
+  values before the body was scheduled (a KeyError)."""
+  def fn(x):
+    y = lax.fori_loop(0, 3, lambda i, c: spmd.annotate(c * 1.01 + i, P("a", None)), x)
+    return lax.cond(y.sum() > 0, lambda a: spmd.annotate(a * 2, P(None, "b")), lambda a: a, y)
+
+  assert_partitioned_matches(fn, (randn(8, 16),), P("b", None), MESH)

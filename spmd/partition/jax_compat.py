@@ -109,6 +109,13 @@ def unvaried(x: Any) -> Any:
   return jax.lax.select_n_p.bind(np.zeros((), bool), x)
 
 
+def weakly_typed(x: Any) -> Any:
+  """``x`` weakly typed, as ``jax.jit`` returns an output whose aval is (a Python scalar's
+  arithmetic): the local program may compute it from literals bound strongly typed."""
+  from jax._src.lax import lax as lax_internal  # noqa: PLC0415 (no public API sets weak_type)
+  return lax_internal._convert_element_type(x, weak_type=True)  # noqa: SLF001
+
+
 def set_cpu_device_count(count: int) -> None:
   """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
   jax.config.update("jax_num_cpu_devices", count)

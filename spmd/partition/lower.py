@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from spmd.mesh import with_auto_axes
 from spmd.partition.fold import const_arrays
 from spmd.partition.ir import Atom, Literal, Value
+from spmd.partition.jax_compat import weakly_typed
 from spmd.partition.local import Local, run_local
 from spmd.partition.primitives import describe
 from spmd.partition.uneven import mask_padding
@@ -28,18 +30,20 @@ from spmd.partition.sharding import MeshShape, TensorSharding
 Env = MutableMapping[tuple[Value, TensorSharding], Any]
 
 
-def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
+def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int],
+               out_shardings: Sequence[NamedSharding]) -> Callable:
   """Inputs sharded unevenly are padded before the program (JAX cannot hold uneven shards; the
-  padded array splits evenly and is placed like any input), outputs are always even."""
+  padded array splits evenly and is placed like any input), outputs are always even and come
+  back as ``out_shardings`` (equivalent to the program's output specs). The program runs over
+  ``mesh`` with Auto axes; its boundary is on ``mesh`` itself."""
   sched, shape = analysis.schedule, dict(mesh.shape)
   interpreter = _Interpreter(analysis, shape)
   in_specs = tuple(s.to_spec() for s in sched.inputs)
   out_specs = tuple(s.to_spec() for s in sched.outputs)
-  local = jax.shard_map(interpreter.run, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                        check_vma=False)
-  named = lambda specs: tuple(NamedSharding(mesh, p) for p in specs)  # noqa: E731
-  jitted = jax.jit(local, in_shardings=named(in_specs), out_shardings=named(out_specs),
-                   donate_argnums=tuple(donate_argnums))
+  local = jax.shard_map(interpreter.run, mesh=with_auto_axes(mesh), in_specs=in_specs,
+                        out_specs=out_specs, check_vma=False)
+  jitted = jax.jit(local, in_shardings=tuple(NamedSharding(mesh, p) for p in in_specs),
+                   out_shardings=tuple(out_shardings), donate_argnums=tuple(donate_argnums))
   inputs = analysis.program.inputs
   if all(s.divides(v.shape, shape) for s, v in zip(sched.inputs, inputs)):
     return jitted
@@ -84,7 +88,8 @@ class _Interpreter:
     self.transfers(sched.entry, env)
     self.ops(sched.ops, env)
     self.transfers(sched.exit, env)
-    return tuple(self.read(env, x, s) for x, s in zip(program.outputs, sched.outputs))
+    return tuple(weakly_typed(self.read(env, x, s)) if x.aval.weak_type else
+                 self.read(env, x, s) for x, s in zip(program.outputs, sched.outputs))
 
   # --- values -----------------------------------------------------------------------------------
 

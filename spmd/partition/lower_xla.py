@@ -9,13 +9,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from spmd.mesh import with_auto_axes
 from spmd.partition.fold import const_arrays
 from spmd.partition.ir import Atom, Literal, Op, Value
+from spmd.partition.jax_compat import weakly_typed
 from spmd.partition.planner import Analysis
 from spmd.partition.primitives import bind, describe
 
-def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> Callable:
+def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int],
+              out_shardings: Sequence[NamedSharding]) -> Callable:
+  """The outputs come back as ``out_shardings`` (equivalent to the propagated ones); inside, the
+  constraints are on ``mesh`` with Auto axes."""
   program, shardings = analysis.program, analysis.propagation.shardings
+  mesh = with_auto_axes(mesh)
   reads = {s.op: s.reads for s in analysis.schedule.walk()}
 
   def named(s) -> NamedSharding:
@@ -42,11 +48,11 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int]) -> 
     env: dict[Value, Any] = const_arrays(program.consts)
     env.update(zip(program.inputs, flat_args))
     run(program.ops, env)
-    return tuple(_read(env, x) for x in program.outputs)
+    return tuple(weakly_typed(_read(env, x)) if x.aval.weak_type else _read(env, x)
+                 for x in program.outputs)
 
   return jax.jit(body, in_shardings=tuple(named(s) for s in analysis.schedule.inputs),
-                 out_shardings=tuple(named(s) for s in analysis.schedule.outputs),
-                 donate_argnums=tuple(donate_argnums))
+                 out_shardings=tuple(out_shardings), donate_argnums=tuple(donate_argnums))
 
 
 def _read(env: dict[Value, Any], x: Atom) -> Any:

@@ -163,6 +163,14 @@ class _Scheduler:
       return 0
     return sum(s.bytes for s in self._best(v, dst)[1])
 
+  def link_price(self, v: Value, dst: TensorSharding) -> int:
+    """``price`` for a control-flow op's links, which read its regions' values before they are
+    scheduled: such a value is priced from the sharding propagation gave it, as its region will
+    make it."""
+    if v in self.forms:
+      return self.price(v, dst)
+    return sum(s.bytes for s in self.executions.reshard(v, self.shardings[v], dst))
+
   def shared_price(self, op: Op) -> Price:
     """``price`` for choosing how ``op`` runs: a reshard of an operand is split evenly between
     ``op`` and the later ops of its kind that read the value at the same position (they face the
@@ -319,7 +327,7 @@ class _Scheduler:
   def control(self, op: Op, constraints: list[Constraint]) -> ScheduledOp:
     """Outer operands enter in the form their link needs; region outputs leave in the form their
     link needs (resharded inside the region); region inputs and results take the link's form."""
-    execs = [self.executions.plan(c, self.shardings, self.price) for c in constraints]
+    execs = [self.executions.plan(c, self.shardings, self.link_price) for c in constraints]
     reads: list[TensorSharding | None] = [None] * len(op.inputs)
     writes: list[TensorSharding | None] = [None] * len(op.outputs)
     exits: list[list[TensorSharding | None]] = [[None] * len(r.outputs) for r in op.regions]
