@@ -700,6 +700,51 @@ def scan_sharded_carry_int32():  # While with a partially replicated int32 carry
         "a2b2c2")
 
 
+@case
+def while_dynamic_update_slice_rows_into_sharded_carry():  # While + DUS along the sharded dim
+  def f(x, rows):
+    def body(i, acc):
+      return lax.dynamic_update_slice(acc, rows[i][None] * i, (2 * i, 0))
+    return lax.fori_loop(0, 5, body, x)
+  check(f, (randn(10, 6), randn(5, 6, seed=1)), (P("x"), P()), "x4")
+
+
+@case
+def scan_writes_rows_of_a_sharded_buffer_int32():  # While, DUS of a partially replicated carry
+  def f(buf, rows):
+    def body(b, r):
+      i, row = r
+      return b.at[i].set(row), b.sum()
+    return lax.scan(body, buf, (jnp.arange(4, dtype=jnp.int32) * 3, rows))
+  check(f, (ints(12, 4), ints(4, 4, seed=1)), (P("a", "b"), P()), "a2b4")
+
+
+@case
+def dynamic_slice_gradient_is_update_slice():  # DynamicUpdateSlice as dynamic-slice's transpose
+  check(lambda x, i: jax.grad(lambda x: jnp.sin(lax.dynamic_slice_in_dim(x, i, 3, 0)).sum())(x),
+        (randn(13, 4), np.int32(7)), (P("x"), P()), "x4")
+
+
+@case
+def dynamic_update_slice_sharded_update_bf16():  # DUSAlongPartitionedDimension, bf16 sharded update
+  check(lambda x, u, i: lax.dynamic_update_slice(x, u * 2, (i, 0)),
+        (randn(16, 8, dtype=BF16), randn(4, 8, seed=1, dtype=BF16), np.int32(11)),
+        (P("a", "b"), P("a", "b"), P()), "a2b4", out_specs=P("a", "b"))
+
+
+@case
+def dynamic_update_slice_3d_mesh_two_dims():  # DUSPartitionSliceAndNonSliceDims on a 3-D mesh
+  check(lambda x, u, i, j: lax.dynamic_update_slice(x, u, (i, 1, j)),
+        (randn(6, 4, 10), randn(2, 3, 4, seed=1), np.int32(5), np.int32(3)),
+        (P("a", "b", "c"), P(), P(), P()), "a2b2c2")
+
+
+@case
+def dynamic_update_slice_bool_mask():  # DUS of a bool operand sharded on the slice dim
+  check(lambda m, i: lax.dynamic_update_slice(m, jnp.ones((3, 4), bool), (i, 0)),
+        (np.zeros((16, 4), bool), np.int32(6)), (P("x"), P()), "x8", out_specs=P("x"))
+
+
 # --- Gather and scatter --------------------------------------------------------------------------
 
 @case
@@ -779,6 +824,38 @@ def scatter_int32_set_3d():  # Scatter with int32 updates, operand and indices o
   check(lambda x, i, u: x.at[i].set(u),
         (ints(12, 4), np.array([0, 5, 11, 7], np.int32), ints(4, 4, seed=1)),
         (P(("a", "b")), P("c"), P("c")), "a2b2c2")
+
+
+def parallel_scatter_add(x: jax.Array, u: jax.Array) -> jax.Array:
+  """XLA's ScatterParallelDim cases: a scatter-add whose indices are iotas over the leading
+  dims (each update row lands on its own operand row)."""
+  i, j = (lax.broadcasted_iota(jnp.int32, x.shape[:2], d) for d in (0, 1))
+  return x.at[i, j].add(u)
+
+
+@case
+def scatter_parallel_dim_redistribution():  # ScatterParallelDimRedistributionOperand
+  check(parallel_scatter_add, (ints(8, 4, 2, 2), ints(8, 4, 2, 2, seed=1)),
+        (P("a", "b"), P(("a", "b"))), "a2b4")
+
+
+@case
+def scatter_parallel_dim_partial_replicated_operand():  # ScatterParallelDimPartialReplicatedOperand
+  check(parallel_scatter_add, (ints(8, 4, 2, 2), ints(8, 4, 2, 2, seed=1)),
+        (P("a"), P(("a", "b"))), "a2b4", out_specs=P(("a", "b")))
+
+
+@case
+def scatter_parallel_dim_swapped_dimensions():  # ScatterParallelDimSwappedDimensions
+  check(parallel_scatter_add, (ints(8, 4, 2, 2), ints(8, 4, 2, 2, seed=1)),
+        (P("b", "a"), P("b", "a")), "a2b4", out_specs=P("b", "a"))
+
+
+@case
+def gather_parallel_dim_iota_indices():  # GatherParallelDim (iota indices over the batch dim)
+  def f(x, j):
+    return x[lax.broadcasted_iota(jnp.int32, j.shape, 0), j]
+  check(f, (randn(8, 10, 3), indices(10, 8, 5)), (P("x"), P("x")), "x8")
 
 
 # --- Random numbers ------------------------------------------------------------------------------
