@@ -384,7 +384,8 @@ def einsum_contracting_dims_partitioned():  # EinsumContractingDimsPartitioned
 
 
 @case
-def einsum_contracting_result_partially_sliced():  # EinsumContractingDimsPartitionedResultPartiallySliced
+def einsum_contracting_result_partially_sliced():
+  # EinsumContractingDimsPartitionedResultPartiallySliced
   check(lambda x, y: x @ y, (randn(8, 16), randn(16, 8, seed=1)), (P(None, "x"), P("x")), "x4",
         out_specs=P("x"))
 
@@ -777,13 +778,15 @@ def gather_operand_and_indices_sharded_3d():  # GatherMergedIndexParallelAndOper
 
 @case
 def gather_explicit_batch_dims():  # GatherExplicitBatchDims (vmap over a sharded batch)
-  check(lambda x, i: jax.vmap(lambda r, j: r[j])(x, i), (randn(8, 16, 4), indices(16, 8, 3, seed=4)),
+  check(lambda x, i: jax.vmap(lambda r, j: r[j])(x, i),
+        (randn(8, 16, 4), indices(16, 8, 3, seed=4)),
         (P("x"), P("x")), "x8")
 
 
 @case
 def gather_parallel_dim_redistribution():  # GatherParallelDimRedistribution
-  check(lambda x, i: jax.vmap(lambda r, j: r[j])(x, i), (randn(8, 16, 4), indices(16, 8, 3, seed=5)),
+  check(lambda x, i: jax.vmap(lambda r, j: r[j])(x, i),
+        (randn(8, 16, 4), indices(16, 8, 3, seed=5)),
         (P("a"), P("b")), "a2b4")
 
 
@@ -796,14 +799,16 @@ def scatter_partitioned_on_trivial_slice_dims():  # ScatterPartitionedOnTrivialS
 @case
 def index_passthrough_scatter():  # IndexPassthroughScatter
   check(lambda x, i, j, u: x.at[i, j].add(u),
-        (randn(2, 9, 8), indices(2, 4, 4, seed=7), indices(9, 4, 4, seed=8), randn(4, 4, 8, seed=1)),
+        (randn(2, 9, 8), indices(2, 4, 4, seed=7), indices(9, 4, 4, seed=8),
+         randn(4, 4, 8, seed=1)),
         (P(), P("a", "b"), P("a", "b"), P("a", "b")), "a2b4")
 
 
 @case
 def index_passthrough_scatter_min():  # IndexPassthroughScatter_Min
   check(lambda x, i, j, u: x.at[i, j].min(u),
-        (randn(2, 9, 8), indices(2, 4, 4, seed=9), indices(9, 4, 4, seed=10), randn(4, 4, 8, seed=1)),
+        (randn(2, 9, 8), indices(2, 4, 4, seed=9), indices(9, 4, 4, seed=10),
+         randn(4, 4, 8, seed=1)),
         (P(), P("a", "b"), P("a", "b"), P("a", "b")), "a2b4")
 
 
@@ -815,7 +820,8 @@ def passthrough_scatter_partial_replicate_uneven():  # PassthroughScatter_Partia
 
 @case
 def scatter_operand_and_indices_sharded():  # ScatterParallelDimRedistribution (both sharded)
-  check(lambda x, i, u: x.at[i].add(u), (randn(16, 8), indices(16, 8, seed=12), randn(8, 8, seed=1)),
+  check(lambda x, i, u: x.at[i].add(u),
+        (randn(16, 8), indices(16, 8, seed=12), randn(8, 8, seed=1)),
         (P("a"), P("b"), P("b")), "a2b4")
 
 
