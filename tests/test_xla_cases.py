@@ -461,6 +461,30 @@ def tiled_dot_replicated_output():  # TiledDot
         out_specs=P())
 
 
+@case
+def dot_2d_partitioned_non_contracting_and_contracting():
+  # Dot2DPartitionedNonContractingAndContracting0
+  check(lambda x, y: x @ y, (randn(8, 12), randn(12, 6, seed=1)), (P("a", "b"), P("b", "c")),
+        "a2b2c2", out_specs=P("a", "c"))
+
+
+@case
+def dot_2d_partitioned_batch_and_non_contracting():  # Dot2DPartitionedBatchAndNonContracting
+  check(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y), (randn(4, 8, 6), randn(4, 6, 10, seed=1)),
+        (P("a", "b"), P("a", None, "c")), "a2b2c2", out_specs=P("a", "b", "c"))
+
+
+@case
+def dot_partial_contracting_partial_replicate():  # DotPartialContracting2 (partial replication)
+  check(lambda x, y: x @ y, (randn(8, 16), randn(16, 8, seed=1)), (P(None, "b"), P("b", "a")),
+        "a2b4", out_specs=P("b"))
+
+
+@case
+def transpose_all_to_all():  # TransposeAllToAll (a transpose keeping the device assignment)
+  check(lambda x: x.T, (randn(8, 16),), P("x"), "x8", out_specs=P("x"))
+
+
 # --- Convolutions --------------------------------------------------------------------------------
 
 @case
@@ -862,6 +886,19 @@ def gather_parallel_dim_iota_indices():  # GatherParallelDim (iota indices over 
   def f(x, j):
     return x[lax.broadcasted_iota(jnp.int32, j.shape, 0), j]
   check(f, (randn(8, 10, 3), indices(10, 8, 5)), (P("x"), P("x")), "x8")
+
+
+@case
+def clamp_mixed_shardings():  # Clamp with operands tiled differently
+  check(lambda lo, x, hi: lax.clamp(lo, x, hi), (randn(8, 8) - 1, randn(8, 8, seed=1),
+                                                   randn(8, 8, seed=2) + 1),
+        (P("a"), P(None, "b"), P()), "a2b4")
+
+
+@case
+def select_pred_sharded_differently_int32():  # Select with a differently tiled predicate
+  check(lambda p, x, y: lax.select(p, x, y), (randn(12, 6) > 0, ints(12, 6), ints(12, 6, seed=1)),
+        (P(None, "b"), P("a"), P(("a", "b"))), "a2b4")
 
 
 # --- Random numbers ------------------------------------------------------------------------------
