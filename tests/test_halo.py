@@ -426,6 +426,16 @@ def test_strided_slice_uneven():
   check(lambda v: (v[1:12:4], v[::2], v[2:]), (data(13, 3),), P("x", None), "x4")
 
 
+def test_slice_of_a_pad_is_one_halo():
+  """A pad then a slice back to the operand's length shifts the dim (XLA's
+  MergedPadThenSliceShiftRight): one halo of the rows shifted in (a row per shard here). It was
+  a halo into an uneven pad and then a reshard of it: 48 B where XLA moves 12 B."""
+  shift = lambda v: lax.pad(v, 0., [(1, 0, 0), (0, 0, 0)])[:16]
+  plan = check(shift, (data(16, 3),), P("x", None), "x4")
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("collective-permute", 12)]
+  check(lambda v: lax.pad(v, 1., [(2, 3, 1), (0, 0, 0)])[3:20], (data(13, 3),), P("x", None), "x4")
+
+
 def _laplacian_valid(u):
   return u[:-2, 1:-1] + u[2:, 1:-1] + u[1:-1, :-2] + u[1:-1, 2:] - 4 * u[1:-1, 1:-1]
 

@@ -68,6 +68,24 @@ def test_a_major_axis_moving_to_another_dim_is_permute_then_all_to_all(axes, src
   assert plan.total_bytes <= collective_bytes(xla.lower(X).compile().as_text())
 
 
+@pytest.mark.parametrize("axes, src, dst, kinds", [
+    ({"a": 2, "b": 4}, P("a", "b"), P(None, ("a", "b")), ["all-to-all", "collective-permute"]),
+    ({"a": 2, "b": 4}, P("a", "b"), P("b", "a"),
+     ["all-to-all", "collective-permute", "all-to-all"]),
+    ({"a": 2, "b": 2, "c": 2}, P("a", ("b", "c")), P(("c", "b"), "a"),
+     ["all-to-all", "collective-permute", "all-to-all"]),
+])
+def test_axes_trading_dims_are_parked_not_gathered(axes, src, dst, kinds):
+  """Each axis wanted by a dim that still holds axes that must leave is moved there behind them
+  by an all-to-all, and the order fixed by collective-permutes (XLA moves sub-axes by
+  all-to-alls; tests/test_xla_cases.py's axes_swap_between_dims). These were gathered and
+  sliced: 5x the bytes on P('a', 'b') -> P(None, ('a', 'b')), where XLA moves as much as this."""
+  m = spmd.make_mesh(axes)
+  plan = _reshard(m, src, dst)
+  assert [c.kind for c in plan.collectives] == kinds
+  assert plan.total_bytes == len(kinds) * X.size * X.dtype.itemsize // 8
+
+
 @pytest.mark.parametrize("rows", [13, 14])
 def test_a_major_axis_moving_out_of_an_uneven_dim_is_permute_then_all_to_all(mesh, rows):
   """Blocks of 2 rows over (data, model) regroup exactly into blocks of 4 over model, so data is

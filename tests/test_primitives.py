@@ -467,6 +467,26 @@ def test_dynamic_update_slice(mesh, sx, su):
                              (sx, su, P(), P()), mesh)
 
 
+@pytest.mark.parametrize("start", [-2, 3, 8])
+def test_dynamic_update_slice_along_a_sharded_dim_keeps_it_sharded(start):
+  """Each device writes the update's rows that land in its block (the start clamped), as XLA
+  does (DynamicUpdateSliceAlongPartitionedDimension2): no collective for an update replicated
+  along the dim, one dim or two (uneven: only the result is gathered, as JAX arrays hold no
+  uneven shards). The operand used to be gathered whole."""
+  x = np.arange(8 * 7 * 2, dtype=np.int32).reshape(8, 7, 2)
+  u = -np.arange(3 * 7 * 2, dtype=np.int32).reshape(3, 7, 2)
+  plan = assert_partitioned_matches(lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 0, 0)),
+                                    (x, u, np.int32(start)), (P("x"), P(), P()), "x8", P("x"))
+  assert plan.collectives == ()
+  dus2 = lambda y, u, i: lax.dynamic_update_slice(y, u, (i, i - 1))
+  plan = assert_partitioned_matches(dus2, (randn(10, 8), randn(3, 4, seed=1), np.int32(start)),
+                                    (P("a", "b"), P(), P()), "a2b4", P("a", "b"))
+  assert plan.collectives == ()
+  plan = assert_partitioned_matches(dus2, (randn(10, 9), randn(3, 4, seed=1), np.int32(start)),
+                                    (P("a", "b"), P(), P()), "a2b4")
+  assert {c.primitive for c in plan.collectives} <= {"output"}  # only the uneven result's gather
+
+
 @pytest.mark.parametrize("mesh,sx,sy", PAIRS_2D, ids=_ids(PAIRS_2D))
 def test_concatenate(mesh, sx, sy):
   def fn(x, y):

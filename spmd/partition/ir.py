@@ -8,11 +8,12 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
@@ -359,6 +360,28 @@ def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
   return x if maker.primitive in ("square", "abs") or squared else None
 
 
+def _merge_pad_slices(ops: list[Op]) -> None:
+  """Replaces every unit-stride ``slice`` of a ``pad``'s result by one ``pad`` of the pad's
+  operand whose low and high widths cut what the slice cuts (negative where it cuts into the
+  operand), here and in regions: a pad then a slice that shifts a sharded dim is one halo of the
+  rows shifted in, as XLA partitions it, not a halo and then a reshard of an uneven pad (the
+  pad stays for its other readers, if any)."""
+  producer = {v: op for op in ops for v in op.outputs}
+  for k, op in enumerate(ops):
+    for region in op.regions:
+      _merge_pad_slices(region.ops)
+    pad = producer.get(op.inputs[0]) if op.eqn.primitive is lax.slice_p else None
+    if pad is None or pad.eqn.primitive is not lax.pad_p or any(
+        s != 1 for s in op.params["strides"] or ()):
+      continue
+    config = tuple((lo - start, hi - (n - limit), interior) for (lo, hi, interior), start, limit, n
+                   in zip(pad.params["padding_config"], op.params["start_indices"],
+                          op.params["limit_indices"], pad.outputs[0].shape))
+    params = {"padding_config": config}
+    eqn = op.eqn.replace(primitive=lax.pad_p, params=params, invars=list(pad.eqn.invars))
+    ops[k] = replace(op, primitive="pad", params=params, inputs=pad.inputs, eqn=eqn)
+
+
 def _hoist_invariants(ops: list[Op]) -> list[Op]:
   """Loop-invariant code motion, as XLA does it: ``ops`` with their loops' bodies reading the
   loop's operand itself where they read one of its consts (the same value on every trip), and
@@ -475,15 +498,16 @@ def literal_key(val: Any) -> Any:
 
 def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged,
-  constants folded, rolls made one op, dead ops dropped, loop invariants read from outside their
-  loops, ops numbered depth-first. ``platform`` (as JAX lowers for it: "cpu", "cuda", "tpu")
-  picks the branch of each platform-dependent cond."""
+  constants folded, rolls made one op, slices of pads made pads, dead ops dropped, loop
+  invariants read from outside their loops, ops numbered depth-first. ``platform`` (as JAX
+  lowers for it: "cpu", "cuda", "tpu") picks the branch of each platform-dependent cond."""
   builder = _Builder(platform)
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
   ops, folded = fold_constants(ops)
   folded += fold_region_empties(ops)
   fuse_rolls(ops)
+  _merge_pad_slices(ops)
   program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index

@@ -216,6 +216,26 @@ def dynamic_slice(local: Local, args: list) -> list:
   return bind(local.op, args, slice_sizes=local.out_shape())
 
 
+def dynamic_update_slice(local: Local, args: list) -> list:
+  """Along a sharded dim the update covers in part, each local row takes the update's row that
+  lands on it (the start clamped as XLA clamps it), and keeps its own where none does."""
+  op = local.op
+  x, update, *starts = args
+  shape, covered = op.inputs[0].aval.shape, op.inputs[1].aval.shape
+  split = [d for d, axes in enumerate(local.reads[0].dims) if axes and covered[d] != shape[d]]
+  if not split:
+    return bind(op, args)
+  keep = jnp.zeros(x.shape, bool)
+  for d in split:
+    start = jnp.clip(starts[d], 0, shape[d] - covered[d])
+    rows = lax.broadcasted_iota(start.dtype, (x.shape[d],), 0) - start
+    rows = rows + local.offset(local.reads[0], d, x.shape[d]).astype(start.dtype)
+    update = jnp.take(update, jnp.clip(rows, 0, covered[d] - 1), axis=d)
+    keep = keep | lax.broadcast_in_dim((rows < 0) | (rows >= covered[d]), x.shape, (d,))
+    starts[d] = jnp.zeros((), start.dtype)
+  return [jnp.where(keep, x, lax.dynamic_update_slice(x, update, starts))]
+
+
 def conv(local: Local, args: list) -> list:
   """A device holding a share of the groups runs that many (lhs features = groups x per-group)."""
   p, op = local.op.params, local.op

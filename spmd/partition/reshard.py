@@ -5,8 +5,10 @@ Order (cheapest first, as XLA prefers): pending partial sums are reduced (reduce
 the target shards that axis, else all-reduce); dims whose axes only change order are permuted;
 axes free everywhere are sliced locally (no communication) so later collectives move less;
 axes that move from one dim to another are an all-to-all (one for a run of minor axes; an axis
-is made the minor axis of its dim first by a collective-permute); axes to drop are all-gathered;
-finally the remaining axes are sliced locally.
+is made the minor axis of its dim first by a collective-permute, as are several axes leaving for
+one dim); axes that trade dims (P('a', 'b') -> P('b', 'a')) may instead be parked in the dim that
+wants them, behind axes that leave it later, where that moves less than gathering them; axes to
+drop are all-gathered; finally the remaining axes are sliced locally.
 
 Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
 per-device input and output buffers of its collective (padding included), ``bytes`` is the
@@ -243,6 +245,19 @@ def gathers_exactly(n: int, count: int, k: int) -> bool:
 
 def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                  mesh: MeshShape) -> tuple[ReshardStep, ...]:
+  """The steps from ``src`` to ``dst``: the cheaper of the plan that gathers an axis it cannot
+  move straight to the dim that wants it next, and the plan that parks such an axis in the dim
+  that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
+  axes between dims by all-to-alls rather than gathering them."""
+  direct = _plan_reshard(src, dst, shape, itemsize, mesh, park=False)
+  if not any(isinstance(s, AllGather) for s in direct):
+    return direct
+  parked = _plan_reshard(src, dst, shape, itemsize, mesh, park=True)
+  return min((direct, parked), key=lambda steps: sum(s.bytes for s in steps))
+
+
+def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+                  mesh: MeshShape, park: bool) -> tuple[ReshardStep, ...]:
   steps: list[ReshardStep] = []
   dims = [list(d) for d in src.dims]
   partial = [a for a in src.partial if a not in dst.partial]
@@ -281,10 +296,13 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     emit(AllReduce, list(partial), partial.clear)
 
   # 2. Same axes in another order: a collective-permute.
-  for d, want in enumerate(target):
-    if dims[d] != want and sorted(dims[d]) == sorted(want):
-      emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], want, mesh),
-           lambda d=d, want=want: dims[d].__setitem__(slice(None), list(want)), dim=d)
+  def reorder() -> None:
+    for d, want in enumerate(target):
+      if dims[d] != want and sorted(dims[d]) == sorted(want):
+        emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], want, mesh),
+             lambda d=d, want=want: dims[d].__setitem__(slice(None), list(want)), dim=d)
+
+  reorder()
 
   # Uneven dims whose blocks do not nest between source and target are gathered whole first.
   for d, want in enumerate(target):
@@ -316,6 +334,23 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
         return j
     return None
 
+  def leaving_last(i: int) -> list[str] | None:
+    """An order of dim i's axes that puts last, in the order their dim wants them next, the
+    axes that leave it for one other dim while the rest stay (None: none such, or already)."""
+    for a in dims[i][-2::-1]:
+      rest = [b for b in dims[i] if b != a]
+      if target[i][:len(rest)] == rest and movable(i, [a]) is not None:
+        return rest + [a]
+    keep = [a for a in target[i] if a in dims[i]]
+    leave = [a for a in dims[i] if a not in keep]
+    if len(leave) < 2 or target[i][:len(keep)] != keep:
+      return None
+    for j, want in enumerate(target):
+      run = list(want[len(dims[j]):len(dims[j]) + len(leave)])
+      if j != i and sorted(run) == sorted(leave) and movable(i, run) is not None:
+        return None if keep + run == dims[i] else keep + run
+    return None
+
   # 4. All-to-all: the minor axes of dim i are wanted next on dim j, in order (one all-to-all
   # over all of them, the longest such run first). An axis wanted elsewhere
   # from a more major position of a dim whose other axes stay is made minor first by a
@@ -327,13 +362,10 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     for i in range(len(dims)):
       if not dims[i] or target[i][:len(dims[i])] == dims[i]:
         continue
-      for a in dims[i][-2::-1]:
-        rest = [b for b in dims[i] if b != a]
-        if target[i][:len(rest)] == rest and movable(i, [a]) is not None:
-          order = rest + [a]
-          emit(CollectivePermute, CollectivePermute.moving_axes(dims[i], order, mesh),
-               lambda i=i, order=order: dims[i].__setitem__(slice(None), order), dim=i)
-          break
+      order = leaving_last(i)
+      if order is not None:
+        emit(CollectivePermute, CollectivePermute.moving_axes(dims[i], order, mesh),
+             lambda i=i, order=order: dims[i].__setitem__(slice(None), order), dim=i)
       for k in range(len(dims[i]), 0, -1):
         run = dims[i][-k:]
         j = movable(i, run)
@@ -342,6 +374,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
               dims[i].__delitem__(slice(-len(run), None)), dims[j].extend(run)), dim=i, dst_dim=j)
           moved = True
           break
+    if not moved and park:
+      moved = _park(dims, target, shape, mesh, emit)
+  reorder()
   # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
   for d, want in enumerate(target):
     keep = 0
@@ -364,6 +399,25 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   if cur() != dst:
     raise AssertionError(f"reshard {src} -> {dst} of {tuple(shape)} stopped at {cur()}")
   return tuple(steps)
+
+
+def _park(dims: list[list[str]], target: Sequence[Sequence[str]], shape: Sequence[int],
+          mesh: MeshShape, emit: Callable[..., None]) -> bool:
+  """Moves the longest run of minor axes of a dim that another dim wants (not next: behind
+  axes of its own that leave later) there by an all-to-all; whether one moved. Each move puts
+  axes in their target dim, which they never leave again, so parking ends."""
+  count = lambda axes: math.prod(mesh[a] for a in axes)  # noqa: E731
+  for i in range(len(dims)):
+    for k in range(len(dims[i]), 0, -1):
+      run = dims[i][-k:]
+      for j in range(len(dims)):
+        if (j != i and all(a in target[j] for a in run)
+            and gathers_exactly(shape[i], count(dims[i]), count(run))
+            and splits_exactly(shape[j], count(dims[j]), count(run))):
+          emit(AllToAll, run, lambda i=i, j=j, run=run: (
+              dims[i].__delitem__(slice(-len(run), None)), dims[j].extend(run)), dim=i, dst_dim=j)
+          return True
+  return False
 
 
 def _scatter_run(first: str, partial: Sequence[str], have: Sequence[str],

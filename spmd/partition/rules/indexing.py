@@ -135,11 +135,12 @@ def dynamic_slice(op: Op) -> OpShardingRule:
 
 
 def dynamic_update_slice(op: Op) -> OpShardingRule:
-  """Dims the update covers whole pass through all three; a dim it covers in part is whole on
-  every device (the written window may straddle shards)."""
+  """Every dim of the operand passes to the result: each device writes the update's rows that
+  land in its block (local.py), as XLA does. Dims the update covers whole pass through it too; a
+  dim it covers in part is whole on the update (its rows may land on any shard)."""
   shape, update = op.inputs[0].aval.shape, op.inputs[1].aval.shape
   b = RuleBuilder()
-  operand = [b.factor(n) if update[d] == n else b.factor(n, WHOLE) for d, n in enumerate(shape)]
+  operand = b.factors(shape)
   update_dims = [f if update[d] == shape[d] else b.factor(update[d], WHOLE)
                  for d, f in enumerate(operand)]
   return b.build([operand, update_dims] + [_scalar(x) for x in op.inputs[2:]], [operand])
