@@ -163,12 +163,15 @@ def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
 
 
 def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,
-               **tolerance: Any) -> spmd.Plan:
+               from_reference: bool = False, **tolerance: Any) -> spmd.Plan:
   """Steps feeding the state back, partitioned beside ``reference`` (the jitted step): their
-  states and losses stay equal; then ``check_plan``. Returns the plan."""
+  states and losses stay equal; then ``check_plan``. ``from_reference``: each partitioned step
+  starts from the reference's state (bfloat16 steps, whose rounding differences would otherwise
+  compound from step to step). Returns the plan."""
   want = got = state
   for batch in batches:
+    start = want if from_reference else got
     *want, want_loss = reference(*want, *batch)
-    *got, got_loss = partitioned(*got, *batch)
+    *got, got_loss = partitioned(*start, *batch)
     assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
   return check_plan(partitioned, *state, *batches[0])
