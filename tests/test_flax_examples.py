@@ -17,8 +17,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, assert_plan_is_hlo, assert_trees_match,
-                     missing_rules, randn)
+from helpers import assert_partitioned_matches, assert_trees_match, check_plan, randn
 
 MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
           "1x8": {"data": 1, "model": 8}}
@@ -26,16 +25,6 @@ MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
 
 def mesh_of(name: str):
   return spmd.make_mesh(MESHES[name])
-
-
-def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
-  """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
-  NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
-  replicated for want of a rule. Returns the plan."""
-  plan = partitioned.plan(*args, **kwargs)
-  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
-  assert not missing_rules(plan), plan.explain()
-  return plan
 
 
 def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,
