@@ -75,7 +75,7 @@ def test_unconstrained_dims_at_the_boundary_are_refused_as_by_jit(mesh, where):
   """jax.jit refuses P.UNCONSTRAINED in in_shardings and out_shardings (it is for constraints
   inside); spmd took it as replicated, silently."""
   spec = P(P.UNCONSTRAINED, None)
-  with pytest.raises(ValueError, match="Unconstrained dims are not allowed"):
+  with pytest.raises(ValueError):
     jax.jit(lambda x: x * 2, **{where.replace("specs", "shardings"): NamedSharding(mesh, spec)})(X)
   f = spmd.partition(lambda x: x * 2, mesh=mesh, **{where: spec})
   with pytest.raises(ValueError, match=r"P\(UNCONSTRAINED, None\) leaves a dim unconstrained.*"
@@ -238,7 +238,7 @@ def test_committed_uncommitted_and_numpy_arguments(mesh):
   want = jitted(mlp, mesh, specs, out_specs)(X, W)
   given = jax.device_put(X, NamedSharding(mesh, specs[0]))
   other = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
-  with pytest.raises(ValueError, match="does not match the sharding"):
+  with pytest.raises(ValueError):
     jitted(mlp, mesh, specs, out_specs)(other, W)
   for x in (given, other, jnp.asarray(X), X):
     got = f(x, W)
@@ -487,8 +487,7 @@ def test_output_forms(mesh, out_specs):
   if out_specs is NamedSharding:
     out_specs = NamedSharding(mesh, P())
   in_specs = (P("data"), P(None, "model"))
-  plan = assert_partitioned_matches(outputs, (X, W), in_specs, mesh, out_specs, rtol=1e-5,
-                                    atol=1e-5)
+  assert_partitioned_matches(outputs, (X, W), in_specs, mesh, out_specs, rtol=1e-5, atol=1e-5)
   got = spmd.partition(outputs, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(X, W)
   want = jitted(outputs, mesh, in_specs, out_specs)(X, W)
   per_leaf = jax.tree.leaves(jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)),
