@@ -81,6 +81,10 @@ class _Compiled:
   steady: bool         # called as compiled ahead of time: inputs split evenly, one process
   watched: tuple[int, ...]  # leaves whose plan depends on whether they arrive committed
   graph_out: bool      # the outputs hold NNX modules, flattened by nnx.to_tree
+  in_tree: Any         # of the non-static arguments
+  donated: tuple[int, ...]  # the donated ones, by position among the non-static arguments
+  in_shardings: tuple[NamedSharding, ...] | None  # the inputs' (None: some are uneven, padded)
+  out_shardings: tuple[NamedSharding, ...]  # the outputs' shardings, as jax.jit returns them
 
   def outputs(self, flat: Sequence[Any]) -> Any:
     """The function's outputs from the program's flat ones (NNX modules rebuilt with their
@@ -89,13 +93,29 @@ class _Compiled:
     return sys.modules["flax.nnx"].from_tree(out) if self.graph_out else out
 
   @functools.cached_property
+  def whole(self) -> Any:
+    """``fn`` as ``jax.jit`` of the user's function: called with the non-static arguments
+    (pytrees), returning the outputs' pytree. What ``lower`` lowers and ``executable``
+    compiles (one program: a compiled one is reused). Only for even inputs."""
+    def whole(*dyn: Any) -> Any:
+      return tree_unflatten(self.out_tree, self.fn(*jax.tree_util.tree_leaves(dyn)))
+
+    return jax.jit(whole, in_shardings=tuple(tree_unflatten(self.in_tree, self.in_shardings)),
+                   out_shardings=tree_unflatten(self.out_tree, self.out_shardings),
+                   donate_argnums=self.donated)
+
+  @functools.cached_property
   def executable(self) -> jax.stages.Compiled:
-    """``fn`` compiled for its inputs' avals and shardings: a call checks its arguments'
+    """``whole`` compiled for its inputs' avals and shardings: a call checks its arguments'
     shapes, dtypes and committed shardings itself (in C++, as ``jax.jit`` does) and raises
     rather than retraces on a mismatch."""
-    return self.fn.lower(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
-                                                weak_type=v.aval.weak_type)
-                           for v in self.analysis.program.inputs]).compile()
+    return self.whole.lower(*tree_unflatten(self.in_tree, [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in self.analysis.program.inputs])).compile()
+
+  def execute(self, leaves: Sequence[Any]) -> list:
+    """``executable``'s flat outputs for the arguments' flat leaves."""
+    return jax.tree_util.tree_leaves(self.executable(*tree_unflatten(self.in_tree, leaves)))
 
 
 @dataclass(frozen=True)
@@ -124,7 +144,7 @@ class _Steady:
         or any(leaves[i].is_deleted() for i in self.arrays)):  # JAX 0.10 crashes on those
       return None
     try:
-      return self.compiled.executable(*leaves)
+      return self.compiled.execute(leaves)
     except (TypeError, ValueError):  # raised by the argument check, before anything runs
       return None
 
@@ -200,7 +220,7 @@ class Partitioned:
         self._dispatch[key] = compiled
     if compiled.steady and key is not None:
       self._steady[structure] = _Steady.of(compiled, leaves)
-      return compiled.outputs(compiled.executable(*leaves))
+      return compiled.outputs(compiled.execute(leaves))
     leaves = self._placed(compiled.analysis, leaves)
     return compiled.outputs(compiled.fn(*leaves))
 
@@ -214,22 +234,17 @@ class Partitioned:
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """The program lowered as ``jax.jit`` lowers: ``.compile()`` gives a ``jax.stages.Compiled``
-    called with the non-static arguments (pytrees, as here) that returns the outputs' pytree."""
+    called with the non-static arguments (pytrees, as here) that returns the outputs' pytree.
+    With uneven inputs (which JAX cannot take), the program over their padded flat leaves."""
     args = self._positional(args, kwargs)
     if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
     compiled, leaves = self._compile(args)
-    static = {i % len(args) for i in self.static_argnums}
-    dyn_idx = [i for i in range(len(args)) if i not in static]
-    in_tree = jax.tree_util.tree_structure(tuple(args[i] for i in dyn_idx))
-    donated = {i % len(args) for i in self.donate_argnums}
-
-    def whole(*dyn: Any) -> Any:
-      return tree_unflatten(compiled.out_tree, compiled.fn(*jax.tree_util.tree_leaves(dyn)))
-
-    jitted = jax.jit(whole, donate_argnums=tuple(k for k, i in enumerate(dyn_idx) if i in donated))
-    return jitted.lower(*tree_unflatten(in_tree, self._placed(compiled.analysis, leaves)))
+    placed = self._placed(compiled.analysis, leaves)
+    if compiled.in_shardings is None:
+      return compiled.fn.lower(*placed)
+    return compiled.whole.lower(*tree_unflatten(compiled.in_tree, placed))
 
   # --- NNX modules as arguments ----------------------------------------------------------------
 
@@ -361,16 +376,21 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    fn = lower(analysis, self.mesh, donated, self._returned_shardings(out_tree, analysis))
-    steady = not self.mesh.is_multi_process and all(
-        s.divides(v.shape, self._mesh_shape)
-        for s, v in zip(analysis.schedule.inputs, program.inputs))
+    out_shardings = self._returned_shardings(out_tree, analysis)
+    fn = lower(analysis, self.mesh, donated, out_shardings)
+    even = all(s.divides(v.shape, self._mesh_shape)
+               for s, v in zip(analysis.schedule.inputs, program.inputs))
+    steady = even and not self.mesh.is_multi_process
     # An open leaf is seeded by its committed sharding; a committed leaf sharded otherwise than
     # its spec is resharded on entry. Either way the plan depends on whether it is committed.
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
+    donated_args = {i % len(args) for i in self.donate_argnums}
     return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
-                     steady, watched, graph_out)
+                     steady, watched, graph_out, in_tree,
+                     tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
+                     tuple(NamedSharding(self.mesh, s.to_spec()) for s in analysis.schedule.inputs)
+                     if even else None, out_shardings)
 
   def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
@@ -466,14 +486,15 @@ class Partitioned:
 
   def _returned_shardings(self, out_tree: Any, analysis: Analysis) -> tuple[NamedSharding, ...]:
     """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
-    output's out_specs entry as given where the program makes that sharding, else the
-    program's spec without trailing Nones (JAX's form of a sharding it infers)."""
+    output's out_specs entry as given (logical names resolved) where the program makes that
+    sharding, else the program's spec without trailing Nones (JAX's form of a sharding it
+    infers)."""
     out = []
     for given, s, x in zip(self._given_out_specs(out_tree, analysis.program),
                            analysis.schedule.outputs, analysis.program.outputs):
       made = NamedSharding(self.mesh, _trimmed(s.to_spec()))
-      if isinstance(given, P) and not _names_logical(given, self.mesh):
-        given = NamedSharding(self.mesh, given)
+      if isinstance(given, P):  # logical names as flax's logical_to_mesh_sharding gives them
+        given = NamedSharding(self.mesh, self._rules.resolve(given, "out_specs"))
       ndim = len(x.aval.shape)
       out.append(given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
                  else made)

@@ -13,7 +13,8 @@ from typing import Any, Callable, Collection, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.hlo import collectives
@@ -89,7 +90,8 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
                                out_specs: Any = None, rtol: float | None = None,
                                atol: float | None = None, *, atol_per_magnitude: bool = False,
                                reference: Callable | None = None, backend: str | None = None,
-                               replicated: Collection[str] = (), **options: Any) -> spmd.Plan:
+                               replicated: Collection[str] = (), like_jit: bool = False,
+                               **options: Any) -> spmd.Plan:
   """Partitions ``fn`` over ``mesh`` (a Mesh or a ``MESH_AXES`` name) and checks the three
   things every partitioned program must satisfy:
 
@@ -97,7 +99,9 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   - with backend "spmd", its plan moves what the compiled program does: the same bytes per kind
     of collective (``assert_plan_is_hlo``);
   - no op ran replicated for want of a sharding rule, except the primitives ``replicated``
-    names, which must (a test that expects the fallback says so).
+    names, which must (a test that expects the fallback says so);
+  - with ``like_jit``: the outputs' shardings, dtypes and weak types are those of ``jax.jit``
+    given the same specs as in_shardings / out_shardings (``assert_like_jit``).
 
   ``backend`` defaults to ``$SPMD_TEST_BACKEND``, else the library's default; ``options`` go to
   ``spmd.partition``. Returns the plan for further asserts.
@@ -111,8 +115,12 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
       lambda a: jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a, tuple(args))
   f = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **options)
   plan = f.plan(*args)
-  assert_trees_match(f(*args), (reference or fn)(*args), rtol, atol,
+  out = f(*args)
+  assert_trees_match(out, (reference or fn)(*args), rtol, atol,
                      atol_per_magnitude=atol_per_magnitude)
+  if like_jit:
+    assert_like_jit(out, jax.jit(fn, in_shardings=named(mesh, in_specs),
+                                 out_shardings=named(mesh, out_specs))(*args))
   if plan.backend == "spmd":
     assert_plan_is_hlo(plan, f.lower(*args).compile().as_text())
   fallbacks = missing_rules(plan)
@@ -122,6 +130,37 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   absent = [p for p in expected if not any(w.startswith(p) for w in fallbacks)]
   assert not absent, f"expected to run replicated: {absent}\n{plan.explain()}"
   return plan
+
+
+def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
+  """assert_partitioned_matches's other checks, for a function whose values a test compared
+  itself (a loop of training steps, NNX modules updated in place): the plan moves the compiled
+  program's bytes, and no op ran replicated for want of a rule. Returns the plan."""
+  plan = partitioned.plan(*args, **kwargs)
+  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
+  assert not missing_rules(plan), plan.explain()
+  return plan
+
+
+def is_spec(x: Any) -> bool:
+  """A leaf of a spec tree: None, a PartitionSpec or a NamedSharding."""
+  return x is None or isinstance(x, (P, NamedSharding))
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+  """``specs`` with its PartitionSpec leaves as NamedShardings on ``mesh`` (jax.jit's form)."""
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s) if isinstance(s, P) else s,
+                                specs, is_leaf=is_spec)
+
+
+def assert_like_jit(got: Any, want: Any) -> None:
+  """Every output has ``jax.jit``'s sharding, dtype and weak type."""
+  got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for k, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+    assert (g.sharding, g.dtype, g.weak_type) == (w.sharding, w.dtype, w.weak_type), (
+        f"leaf {k}: {g.sharding}, {g.dtype}, weak {g.weak_type} != jax.jit's {w.sharding}, "
+        f"{w.dtype}, weak {w.weak_type}")
 
 
 def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
@@ -150,16 +189,6 @@ FLAX_MESHES: dict[str, dict[str, int]] = {
 def mesh_of(name: str) -> Mesh:
   """The flax tests' mesh called ``name`` (see ``FLAX_MESHES``)."""
   return spmd.make_mesh(FLAX_MESHES[name])
-
-
-def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
-  """assert_partitioned_matches's other checks, for a function whose values a loop compared (or
-  NNX modules updated in place): the plan moves the compiled program's bytes, and no op ran
-  replicated for want of a rule. Returns the plan."""
-  plan = partitioned.plan(*args, **kwargs)
-  assert_plan_is_hlo(plan, partitioned.lower(*args, **kwargs).compile().as_text())
-  assert not missing_rules(plan), plan.explain()
-  return plan
 
 
 def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches: list,

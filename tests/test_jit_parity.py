@@ -1,0 +1,532 @@
+"""spmd.partition used as jax.jit users use sharding (JAX's pjit, array and shard_map tests and
+the sharding guides, with ``spmd.partition`` where they call ``jax.jit(..., in_shardings=...,
+out_shardings=...)``): spec forms and pytree prefixes, constraints inside, the kinds of
+arguments, composition with JAX's transformations, random numbers, output forms and dtypes.
+Each case is checked against the unpartitioned function (tests/helpers.py) and, where JAX has a
+behaviour (output shardings, dtypes and weak types, donation, caching), against jax.jit's."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
+                     check_plan, is_spec, named, randn)
+
+MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
+          "1x8": {"data": 1, "model": 8}, "2x2x2": {"data": 2, "model": 2, "seq": 2}}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return spmd.make_mesh(MESHES["2x4"])
+
+
+def jitted(fn: Callable, mesh, in_specs: Any, out_specs: Any = None, **options: Any) -> Callable:
+  """jax.jit with the same specs as spmd.partition gets (None: jax.jit's default)."""
+  return jax.jit(fn, in_shardings=named(mesh, in_specs), out_shardings=named(mesh, out_specs),
+                 **options)
+
+
+X, W = randn(16, 8), randn(8, 16, seed=1)
+
+
+def mlp(x, w):
+  return jnp.tanh(x @ w), (x * 2).sum(0)
+
+
+# --- 1. spec forms -------------------------------------------------------------------------------
+
+def spec_form(form: str, mesh) -> tuple[Any, Any]:
+  """(in_specs, out_specs) for ``mlp`` in one of the forms jax.jit takes."""
+  a, b = mesh.axis_names[:2]
+  return {
+      "replicated": ((P(), P()), (P(), P())),
+      "second-dim": ((P(a), P(None, b)), (P(a, b), P(b))),
+      "multi-axis": ((P(tuple(mesh.axis_names)), P()), (P(tuple(mesh.axis_names)), P())),
+      "one-spec": (P(a), P(a)),  # one spec for every argument / output
+      "named": ((NamedSharding(mesh, P(mesh.axis_names[-1])), P(a)),
+                (NamedSharding(mesh, P(None, a)), NamedSharding(mesh, P()))),
+  }[form]
+
+
+@pytest.mark.parametrize("mesh_name, form", [
+    ("2x4", "replicated"), ("2x4", "second-dim"), ("2x4", "named"), ("8x1", "second-dim"),
+    ("8x1", "multi-axis"), ("1x8", "second-dim"), ("1x8", "one-spec"), ("2x2x2", "multi-axis"),
+    ("2x2x2", "named")])
+def test_spec_forms_on_every_mesh(mesh_name, form):
+  mesh = spmd.make_mesh(MESHES[mesh_name])
+  in_specs, out_specs = spec_form(form, mesh)
+  assert_partitioned_matches(mlp, (X, W), in_specs, mesh, out_specs, rtol=1e-5, atol=1e-5,
+                             like_jit=True)
+
+
+@pytest.mark.parametrize("where", ["in_specs", "out_specs"])
+def test_unconstrained_dims_at_the_boundary_are_refused_as_by_jit(mesh, where):
+  """jax.jit refuses P.UNCONSTRAINED in in_shardings and out_shardings (it is for constraints
+  inside); spmd took it as replicated, silently."""
+  spec = P(P.UNCONSTRAINED, None)
+  with pytest.raises(ValueError):
+    jax.jit(lambda x: x * 2, **{where.replace("specs", "shardings"): NamedSharding(mesh, spec)})(X)
+  f = spmd.partition(lambda x: x * 2, mesh=mesh, **{where: spec})
+  with pytest.raises(ValueError, match=r"P\(UNCONSTRAINED, None\) leaves a dim unconstrained.*"
+                                       "write None for the whole leaf"):
+    f(X)
+
+
+Pair = collections.namedtuple("Pair", "x w")
+
+
+@flax.struct.dataclass
+class Layer:
+  w: jax.Array
+  b: jax.Array
+  act: str = flax.struct.field(pytree_node=False, default="tanh")
+
+
+def pytree_fn(pair, layer, batch, extra):
+  h = getattr(jnp, layer.act)(pair.x @ layer.w + layer.b)
+  return {"h": h, "sum": batch["x"].sum(0) + extra[0].sum() + extra[1]}, pair.w * 2
+
+
+PYTREE_ARGS = (Pair(X, W), Layer(W, randn(16, seed=2)), {"x": X, "mask": None},
+               [randn(8, 4, seed=3), randn(8, seed=4)])
+
+
+@pytest.mark.parametrize("in_specs, out_specs", [
+    ((Pair(P("data"), P(None, "model")), Layer(P(None, "model"), P("model")),
+      {"x": P("data", None), "mask": None}, [P("data"), None]),
+     ({"h": P("data", "model"), "sum": P()}, P("model"))),
+    ((P("data"), Layer(P(None, "model"), P()), P(), None), (None, P(None, "model"))),
+    ([Pair(NamedSharding, None), None, {"x": P(None, "model"), "mask": None}, [None, P()]],
+     {"h": None, "sum": P("data")}),  # NamedSharding filled below; out_specs a prefix
+], ids=["full", "prefixes", "list-and-named"])
+def test_pytree_prefix_specs(mesh, in_specs, out_specs):
+  """Specs as pytree prefixes of namedtuples, flax struct dataclasses, dicts with None leaves in
+  the arguments, lists for a tuple of arguments."""
+  if isinstance(in_specs, list):
+    in_specs = [Pair(NamedSharding(mesh, P(("data", "model"))), None), *in_specs[1:]]
+    out_specs = (out_specs, None)
+  plan = assert_partitioned_matches(pytree_fn, PYTREE_ARGS, in_specs, mesh, out_specs,
+                                    rtol=1e-5, atol=1e-5)
+  assert not [w for w in plan.warnings if "conflict" in w], plan.warnings
+  got = spmd.partition(pytree_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(
+      *PYTREE_ARGS)
+  if isinstance(in_specs, tuple):  # jax.jit takes only a tuple of in_shardings
+    assert_like_jit(got, jitted(pytree_fn, mesh, in_specs, out_specs)(*PYTREE_ARGS))
+
+
+@pytest.mark.parametrize("mesh_name", ["2x4", "2x2x2"])
+def test_zero_d_and_size_one_dims(mesh_name):
+  mesh = spmd.make_mesh(MESHES[mesh_name])
+  a, b = mesh.axis_names[:2]
+
+  def fn(s, row, col):
+    return s * row, (row.T @ col.T).sum(), col * s
+
+  args = (np.float32(3.0), randn(1, 16), randn(8, 1, seed=1))
+  assert_partitioned_matches(fn, args, (P(), P(None, b), P(a, None)), mesh,
+                             (P(None, b), P(), P(a)), rtol=1e-5, atol=1e-5, like_jit=True)
+
+
+def test_explicit_mesh_outputs_stay_on_it_and_feed_back(mesh):
+  """A jax.make_mesh mesh (Explicit axes): outputs come back on it, as from jax.jit, and feed
+  the next call (the program inside runs over the same devices with Auto axes)."""
+  explicit = jax.make_mesh((2, 4), ("data", "model"))
+
+  def step(x, w):
+    return jnp.tanh(x @ w) @ w.T * 0.1, x.sum()
+
+  specs, out_specs = (P("data"), P(None, "model")), (P("data"), P())
+  f = spmd.partition(step, mesh=explicit, in_specs=specs, out_specs=out_specs)
+  reference = jitted(step, explicit, specs, out_specs)
+  x = x_ref = X
+  for _ in range(2):
+    (x, s), (x_ref, s_ref) = f(x, W), reference(x_ref, W)
+    assert_trees_match((x, s), (x_ref, s_ref), rtol=1e-5, atol=1e-5)
+    assert_like_jit((x, s), (x_ref, s_ref))
+
+
+# --- 2. constraints inside the function --------------------------------------------------------
+
+def set_mesh(mesh):
+  """The context under which a bare PartitionSpec names ``mesh``'s axes: jax.sharding.use_mesh
+  where this JAX has it, else jax.set_mesh."""
+  use_mesh = getattr(jax.sharding, "use_mesh", None)
+  return use_mesh(mesh) if use_mesh is not None else jax.set_mesh(mesh)
+
+
+def constrained(x, w):
+  h = jax.lax.with_sharding_constraint(x @ w, P("data", "model"))
+  return jax.lax.with_sharding_constraint(jnp.tanh(h).sum(1), P("data"))
+
+
+def test_with_sharding_constraint_named_and_bare_under_the_mesh(mesh):
+  """NamedSharding needs no context; a bare P resolves against the mesh in context (use_mesh /
+  set_mesh) under jax.jit, and against spmd's own mesh inside spmd.partition, with or without
+  that context."""
+  def with_named(x, w):
+    h = jax.lax.with_sharding_constraint(x @ w, NamedSharding(mesh, P("data", "model")))
+    return jax.lax.with_sharding_constraint(jnp.tanh(h).sum(1), NamedSharding(mesh, P("data")))
+
+  specs = (P(), P())
+  plan = assert_partitioned_matches(with_named, (X, W), specs, mesh, P("data"), rtol=1e-5,
+                                    atol=1e-5, like_jit=True)
+  with set_mesh(mesh):
+    want = jitted(constrained, mesh, specs, P("data"))(X, W)
+    inside = spmd.partition(constrained, mesh=mesh, in_specs=specs, out_specs=P("data"))
+    assert_trees_match(inside(X, W), want)
+    assert [c.kind for c in inside.plan(X, W).collectives] == [c.kind for c in plan.collectives]
+  outside = spmd.partition(constrained, mesh=mesh, in_specs=specs, out_specs=P("data"))
+  assert_trees_match(outside(X, W), want)
+  assert_like_jit(outside(X, W), want)
+
+
+def test_constraints_in_loops_and_conds(mesh):
+  def fn(x):
+    def step(i, c):
+      return jax.lax.with_sharding_constraint(c * 0.5 + i, NamedSharding(mesh, P("model", None)))
+
+    y = jax.lax.fori_loop(0, 3, step, x)
+    y = jax.lax.cond(y.sum() > 0,
+                     lambda a: jax.lax.with_sharding_constraint(
+                         a * 2, NamedSharding(mesh, P(None, "model"))),
+                     lambda a: a - 1, y)
+
+    def scanned(c, row):
+      c = jax.lax.with_sharding_constraint(c + row, NamedSharding(mesh, P("model")))
+      return c, c.sum()
+
+    return jax.lax.scan(scanned, y[0], y)
+
+  assert_partitioned_matches(fn, (X,), P("data"), mesh, (P("model"), P()), rtol=1e-5, atol=1e-5,
+                             like_jit=True)
+
+
+def test_with_sharding_constraint_on_pytrees(mesh):
+  def fn(tree):
+    tree = jax.lax.with_sharding_constraint(
+        tree, {"a": NamedSharding(mesh, P("data")), "b": (NamedSharding(mesh, P(None, "model")),
+                                                          NamedSharding(mesh, P()))})
+    whole = jax.lax.with_sharding_constraint(tree["b"], NamedSharding(mesh, P("model")))
+    return tree["a"] @ whole[0] + whole[1].sum()
+
+  args = ({"a": X, "b": (W, randn(8, seed=3))},)
+  plan = assert_partitioned_matches(fn, args, None, mesh, P("data", "model"), rtol=1e-5,
+                                    atol=1e-5, like_jit=True)
+  rows = [r.specs[0] for r in plan.rows if r.primitive == "sharding_constraint"]
+  assert rows == ["P('data', None)", "P(None, 'model')", "P(None)", "P('model', None)",
+                  "P('model')"], rows
+
+
+# --- 3. arguments --------------------------------------------------------------------------------
+
+def test_committed_uncommitted_and_numpy_arguments(mesh):
+  """The in_spec's sharding, another sharding (resharded inside, where jax.jit raises),
+  uncommitted and numpy arguments: the same values, and jax.jit's output shardings."""
+  specs, out_specs = (P("data", None), P(None, "model")), (P("data", "model"), P())
+  f = spmd.partition(mlp, mesh=mesh, in_specs=specs, out_specs=out_specs)
+  want = jitted(mlp, mesh, specs, out_specs)(X, W)
+  given = jax.device_put(X, NamedSharding(mesh, specs[0]))
+  other = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
+  with pytest.raises(ValueError):
+    jitted(mlp, mesh, specs, out_specs)(other, W)
+  for x in (given, other, jnp.asarray(X), X):
+    got = f(x, W)
+    assert_trees_match(got, mlp(X, W), rtol=1e-5, atol=1e-5)
+    assert_like_jit(got, want)
+  check_plan(f, other, W)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_])
+def test_python_scalars_and_weak_types(mesh, dtype):
+  """int, float and bool scalars (weakly typed), a numpy scalar and a strongly typed 0-d array
+  (not): every result's dtype and weak type are jax.jit's."""
+  def fn(x, i, f, b, n, a):
+    return x * i, x * f, x + b, x * n, x * a, i + 1, f * 2, b & True, jnp.maximum(i, f)
+
+  x = jnp.asarray(randn(16, 8) * 3).astype(dtype)
+  args = (x, 2, 2.5, True, np.float32(2), jnp.asarray(3, jnp.int8))
+  specs = (P("data"), P(), P(), P(), P(), P())
+  want = jitted(fn, mesh, specs)(*args)
+  got = spmd.partition(fn, mesh=mesh, in_specs=specs)(*args)
+  assert_trees_match(got, want)
+  assert_like_jit(got, want)
+
+
+def test_keyword_arguments(mesh):
+  f = spmd.partition(mlp, mesh=mesh, in_specs=(P("data"), P(None, "model")))
+  want = mlp(X, W)
+  for got in (f(X, w=W), f(x=X, w=W), f(w=W, x=X)):
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+  check_plan(f, X, W)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  scale: float
+  act: str
+
+
+def test_static_hashable_objects_recompile_only_when_they_differ(mesh):
+  traces = []
+
+  def fn(x, config, w):
+    traces.append(config)
+    return getattr(jnp, config.act)(x @ w) * config.scale
+
+  f = spmd.partition(fn, mesh=mesh, in_specs=(P("data"), P(None, "model")), static_argnums=1)
+  reference = jax.jit(fn, static_argnums=1)
+  for config in (Config(2.0, "tanh"), Config(2.0, "tanh"), Config(0.5, "sin")):
+    assert_trees_match(f(X, config, W), reference(X, config, W), rtol=1e-5, atol=1e-5)
+  assert traces.count(Config(2.0, "tanh")) == 2 and traces.count(Config(0.5, "sin")) == 2, \
+      "one trace each by spmd and by jax.jit"
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.parametrize("kind", ["committed", "uncommitted", "numpy"])
+def test_donated_buffers_are_deleted_as_by_jit(mesh, kind):
+  """A committed donated argument is deleted; an uncommitted one is copied onto the mesh first,
+  and that copy is donated (jax.jit with in_shardings does the same)."""
+  def make():
+    return {"committed": lambda: jax.device_put(X, NamedSharding(mesh, P("data"))),
+            "uncommitted": lambda: jnp.asarray(X), "numpy": lambda: X.copy()}[kind]()
+
+  step = lambda x, w: (x + 1, x @ w)  # noqa: E731
+  f = spmd.partition(step, mesh=mesh, in_specs=(P("data"), P()), donate_argnums=0)
+  g = jitted(step, mesh, (P("data"), P()), donate_argnums=0)
+  for _ in range(2):  # the first call and the cached one
+    mine, theirs = make(), make()
+    got = f(mine, W)
+    want = g(theirs, W)
+    assert_trees_match(got, want)
+    if kind != "numpy":
+      assert mine.is_deleted() == theirs.is_deleted() == (kind == "committed")
+  params = {"w": jax.device_put(W, NamedSharding(mesh, P())), "x": make()}
+  tree = spmd.partition(lambda p: jax.tree.map(lambda v: v * 2, p), mesh=mesh,
+                        in_specs=({"w": P(), "x": P("data")},), donate_argnums=0)
+  tree(params)  # every leaf of a donated pytree
+  assert params["w"].is_deleted()
+  assert kind == "numpy" or params["x"].is_deleted() == (kind == "committed")
+  x = make()
+  for _ in range(3):  # a training loop feeding the result back
+    x, _ = f(x, W)
+  np.testing.assert_array_equal(x, X + 1 + 1 + 1)
+
+
+def test_new_shapes_recompile_same_shapes_are_cached(mesh):
+  traces = []
+
+  def fn(x):
+    traces.append(x.shape)
+    return x.sum(0)
+
+  f = spmd.partition(fn, mesh=mesh, in_specs=P("data"))
+  for rows in (8, 8, 16, 8, 16):
+    x = randn(rows, 4, seed=rows)
+    np.testing.assert_allclose(f(x), x.sum(0), rtol=1e-5, atol=1e-5)
+  assert traces == [(8, 4), (16, 4)]
+  f(jnp.asarray(X[:8, :4], jnp.bfloat16))  # another dtype: another program
+  assert traces[-1] == (8, 4) and len(traces) == 3
+
+
+# --- 4. composition with JAX's transformations -------------------------------------------------
+
+def loss(x, w):
+  return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+
+@pytest.fixture(scope="module")
+def partitioned_loss(mesh):
+  return spmd.partition(loss, mesh=mesh, in_specs=(P("data"), P(None, "model")), out_specs=P())
+
+
+def test_grad_and_value_and_grad_of_a_partitioned_function(partitioned_loss):
+  for argnums in (0, 1, (0, 1)):
+    assert_trees_match(jax.grad(partitioned_loss, argnums)(X, W), jax.grad(loss, argnums)(X, W),
+                       rtol=1e-5, atol=1e-6)
+  got = jax.value_and_grad(partitioned_loss, (0, 1))(X, W)
+  assert_trees_match(got, jax.value_and_grad(loss, (0, 1))(X, W), rtol=1e-5, atol=1e-6)
+  assert_trees_match(jax.jit(jax.grad(partitioned_loss))(X, W), jax.grad(loss)(X, W),
+                     rtol=1e-5, atol=1e-6)
+  assert_trees_match(jax.jacrev(partitioned_loss, 1)(X, W), jax.jacrev(loss, 1)(X, W),
+                     rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_jit_and_eval_shape_of_a_partitioned_function(partitioned_loss):
+  xs = np.stack([X, X * 2, -X])
+  assert_trees_match(jax.vmap(partitioned_loss, (0, None))(xs, W),
+                     jax.vmap(loss, (0, None))(xs, W), rtol=1e-5, atol=1e-6)
+  assert_trees_match(jax.jit(partitioned_loss)(X, W), loss(X, W), rtol=1e-5, atol=1e-6)
+  assert_trees_match(jax.jit(lambda x: partitioned_loss(x, W) * 2)(X), loss(X, W) * 2,
+                     rtol=1e-5, atol=1e-6)
+  abstract = (jax.ShapeDtypeStruct(X.shape, X.dtype), jax.ShapeDtypeStruct(W.shape, W.dtype))
+  assert jax.eval_shape(partitioned_loss, *abstract) == jax.eval_shape(loss, *abstract)
+  assert jax.eval_shape(partitioned_loss, X, W) == jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def test_forward_mode_is_a_clear_error(mesh, partitioned_loss):
+  """The derivative of a partitioned function is its partitioned VJP (a custom_vjp): JAX refuses
+  forward mode; the error says what works instead."""
+  for forward in (lambda: jax.jvp(partitioned_loss, (X, W), (X, W)),
+                  lambda: jax.jacfwd(partitioned_loss)(X, W),
+                  lambda: jax.hessian(partitioned_loss, 1)(X, W)):
+    with pytest.raises(TypeError, match="forward-mode differentiation.*not supported.*jax.grad.*"
+                                        "partition the function that calls jax.jvp"):
+      forward()
+  inside = spmd.partition(lambda x, w, t: jax.jvp(lambda w: loss(x, w), (w,), (t,)), mesh=mesh,
+                          in_specs=(P("data"), P(None, "model"), P(None, "model")))
+  assert_trees_match(inside(X, W, W), jax.jvp(lambda w: loss(X, w), (W,), (W,)),
+                     rtol=1e-5, atol=1e-6)
+
+
+def test_a_partitioned_function_calling_another(mesh, partitioned_loss):
+  def outer(x, w):
+    return partitioned_loss(x * 2, w) + jnp.sum(x)
+
+  assert_partitioned_matches(outer, (X, W), (P("data"), P(None, "model")), mesh,
+                             reference=lambda x, w: loss(x * 2, w) + jnp.sum(x),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_lower_compile_and_call_the_compiled(mesh, partitioned_loss):
+  compiled = partitioned_loss.lower(X, W).compile()
+  assert isinstance(compiled, jax.stages.Compiled)
+  assert_trees_match(compiled(X, W), loss(X, W), rtol=1e-5, atol=1e-6)
+  assert_trees_match(compiled(X * 2, W), loss(X * 2, W), rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError):  # as jax.jit's compiled: its avals only
+    compiled(X[:8], W)
+  placed = jax.device_put(X, NamedSharding(mesh, P("data")))
+  assert_trees_match(compiled(placed, W), loss(X, W), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_takes_pytrees_without_the_static_arguments_as_jax_jit_does(mesh):
+  def fn(params, power, x):
+    return {"y": (x @ params["w"]) ** power, "n": params["b"].sum()}
+
+  params = {"w": W, "b": randn(16, seed=2)}
+  specs = ({"w": P(None, "model"), "b": P()}, P("data"))
+  f = spmd.partition(fn, mesh=mesh, in_specs=specs, static_argnums=1)
+  theirs = jitted(fn, mesh, specs, static_argnums=1).lower(params, 2, X).compile()
+  ours = f.lower(params, 2, X).compile()
+  assert_trees_match(ours(params, X), theirs(params, X), rtol=1e-5, atol=1e-5)
+  assert_like_jit(ours(params, X), theirs(params, X))
+  assert ours.in_tree == theirs.in_tree and ours.out_tree == theirs.out_tree
+
+
+# --- 5. random numbers -----------------------------------------------------------------------------
+
+def draws(key, x):
+  k1, k2 = jax.random.split(key)
+  return (jax.random.normal(k1, (16, 8)),
+          jax.random.uniform(jax.random.fold_in(key, 7), (16, 8), minval=-1.0),
+          jax.random.bernoulli(k2, 0.3, (16, 8)),
+          jax.random.permutation(key, 16),
+          jnp.where(x > 0, jax.random.normal(jax.random.fold_in(k1, 1), x.shape, x.dtype), x))
+
+
+def test_random_draws_with_sharded_outputs_equal_jit(mesh):
+  """With jax_threefry_partitionable (JAX's default) every shard draws its own bits: the values
+  are the unpartitioned function's, bit for bit."""
+  key = jax.random.key(3)
+  out_specs = (P("data", "model"), P("model"), P(None, "model"), P("data"), P("data", "model"))
+  assert_partitioned_matches(draws, (key, X), (P(), P("data")), mesh, out_specs, rtol=0, atol=0,
+                             reference=jax.jit(draws))
+
+
+def test_dropout_training_step_equals_jit(mesh):
+  def step(w, x, y, key):
+    def loss_fn(w):
+      h = jnp.tanh(x @ w)
+      keep = jax.random.bernoulli(key, 0.8, h.shape)
+      h = jnp.where(keep, h / 0.8, 0.0)
+      return jnp.mean((h.sum(1) - y) ** 2)
+
+    value, grad = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * grad, value
+
+  specs, out_specs = (P(None, "model"), P("data"), P("data"), P()), (P(None, "model"), P())
+  f = spmd.partition(step, mesh=mesh, in_specs=specs, out_specs=out_specs)
+  reference = jitted(step, mesh, specs, out_specs)
+  got = want = W * 0.3
+  y = randn(16, seed=5)
+  for key in jax.random.split(jax.random.PRNGKey(0), 3):  # raw uint32 keys
+    got, got_loss = f(got, X, y, key)
+    want, want_loss = reference(want, X, y, key)
+    assert_trees_match((got, got_loss), (want, want_loss), rtol=1e-5, atol=1e-6)
+  assert_like_jit((got, got_loss), (want, want_loss))
+  check_plan(f, got, X, y, key)
+
+
+# --- 6. output forms -------------------------------------------------------------------------------
+
+def outputs(x, w):
+  y = x @ w
+  return x, jnp.ones((8, 16)), y, y, {"sum": y.sum(), "const": jnp.float32(2.5)}
+
+
+@pytest.mark.parametrize("out_specs", [
+    (P("data"), P(None, "model"), P("data", "model"), P(), {"sum": P(), "const": None}),
+    NamedSharding,  # one NamedSharding for every output (filled below)
+    (None, None, P(("data", "model")), P("model"), None),
+    None,
+], ids=["each", "named-prefix", "none-leaves", "open"])
+def test_output_forms(mesh, out_specs):
+  """Inputs passed through, constants, the same array twice, out_specs as NamedSharding, prefix
+  and None leaves: jax.jit's values and shardings (open outputs: the values only, as XLA may
+  choose other shardings than spmd's propagation)."""
+  if out_specs is NamedSharding:
+    out_specs = NamedSharding(mesh, P())
+  in_specs = (P("data"), P(None, "model"))
+  assert_partitioned_matches(outputs, (X, W), in_specs, mesh, out_specs, rtol=1e-5, atol=1e-5)
+  got = spmd.partition(outputs, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(X, W)
+  want = jitted(outputs, mesh, in_specs, out_specs)(X, W)
+  per_leaf = jax.tree.leaves(jax.tree.map(lambda s, sub: [s] * len(jax.tree.leaves(sub)),
+                                          out_specs, got, is_leaf=is_spec),
+                             is_leaf=lambda x: isinstance(x, list))
+  pinned = [k for k, s in enumerate(sum(per_leaf, [])) if s is not None]
+  assert pinned or out_specs is None
+  for k in pinned or [0]:  # open: an input passed through keeps its sharding
+    g, w = jax.tree.leaves(got)[k], jax.tree.leaves(want)[k]
+    assert (g.sharding, g.dtype, g.weak_type) == (w.sharding, w.dtype, w.weak_type), k
+
+
+# --- 7. dtypes (x64 off, JAX's default) ------------------------------------------------------------
+
+DTYPES = (jnp.int8, jnp.int16, jnp.uint32, jnp.bool_, jnp.bfloat16, jnp.float16, jnp.complex64)
+
+
+def through(x, y):
+  """Sums, maxes, a dot and casts of one dtype (a complex one's max: of its real part)."""
+  if x.dtype == jnp.bool_:
+    return x.sum(0), x.max(1), x.any(), jnp.dot(x, y), x.astype(jnp.float32).sum(1)
+  real = x.real if jnp.iscomplexobj(x) else x
+  int64 = jnp.sum(x, dtype=jnp.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x.mean(0)
+  return (x.sum(0), real.max(1), real.min(), jnp.dot(x, y), real.astype(jnp.float32).sum(1),
+          real.astype(jnp.int16), (real > 0).sum(), int64)
+
+
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype")
+def test_dtypes_through_sums_maxes_dots_and_casts(mesh):
+  """Small integer values, so sums are exact in every dtype (int8 dots wrap alike); an int64 sum
+  is int32 with x64 off, as under jax.jit."""
+  values = np.random.default_rng(0).integers(-2, 3, (16, 8))
+  args = {}
+  for dtype in DTYPES:
+    v = np.abs(values) if dtype in (jnp.uint32, jnp.bool_) else values
+    x = jnp.asarray(v + 1j * v if dtype == jnp.complex64 else v).astype(dtype)
+    args[jnp.dtype(dtype).name] = (x, x.T[:, :4])
+  fn = lambda args: {name: through(*xy) for name, xy in args.items()}  # noqa: E731
+  out = fn(args)
+  assert out["int16"][-1].dtype == jnp.int32 and out["bfloat16"][3].dtype == jnp.bfloat16
+  specs = {name: (P("data", "model"), P("model", None)) for name in args}
+  assert_partitioned_matches(fn, (args,), (specs,), mesh, like_jit=True)
