@@ -72,7 +72,8 @@ class ExecutionPlanner:
     self.mesh, self.wire = mesh, wire
     self._options: dict[tuple, list[tuple[Execution, int]]] = {}
     self._reshards: dict[tuple, tuple[ReshardStep, ...]] = {}
-    self._signatures: dict[int, tuple] = {}  # per constraint: its rule, tensors' shapes, dtypes
+    # per constraint: (its rule, tensors' shapes and dtypes), its tensors
+    self._signatures: dict[int, tuple[tuple, tuple[Value | None, ...]]] = {}
 
   def reshard(self, v: Value, src: TensorSharding, dst: TensorSharding
               ) -> tuple[ReshardStep, ...]:
@@ -85,11 +86,13 @@ class ExecutionPlanner:
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
            price: Price) -> Execution:
-    signature = self._signatures.get(id(c))
-    if signature is None:  # propagation shares equal ops' rules
-      signature = self._signatures[id(c)] = (id(c.rule), tuple(
-          None if v is None else (v.shape, v.dtype) for v in c.tensors()))
-    key = (signature, tuple(None if v is None else shardings[v] for v in c.tensors()))
+    known = self._signatures.get(id(c))
+    if known is None:  # propagation shares equal ops' rules
+      tensors = c.tensors()
+      known = self._signatures[id(c)] = (id(c.rule), tuple(
+          None if v is None else (v.shape, v.dtype) for v in tensors)), tensors
+    signature, tensors = known
+    key = (signature, tuple(None if v is None else shardings[v] for v in tensors))
     options = self._options.get(key)
     if options is None:
       options = self._options[key] = self._candidates(c, shardings)

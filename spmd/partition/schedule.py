@@ -246,7 +246,7 @@ class _Scheduler:
                         partial_op="sum") for w in writes]
     transfers: list[Transfer] = []
     for k, (x, need) in enumerate(zip(op.inputs, reads)):
-      if isinstance(x, Value) and need is not None:
+      if isinstance(x, Value) and need is not None and need not in self.forms[x]:
         self.acquire(x, need, transfers, Slot("operand", k), op)
     for v, w in zip(op.outputs, writes):
       self.forms[v] = [w]
