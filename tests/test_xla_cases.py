@@ -821,19 +821,12 @@ def scatter_partitioned_on_trivial_slice_dims():  # ScatterPartitionedOnTrivialS
 
 
 @case
-def index_passthrough_scatter():  # IndexPassthroughScatter
-  check(lambda x, i, j, u: x.at[i, j].add(u),
-        (randn(2, 9, 8), indices(2, 4, 4, seed=7), indices(9, 4, 4, seed=8),
-         randn(4, 4, 8, seed=1)),
-        (P(), P("a", "b"), P("a", "b"), P("a", "b")), "a2b4")
-
-
-@case
-def index_passthrough_scatter_min():  # IndexPassthroughScatter_Min
-  check(lambda x, i, j, u: x.at[i, j].min(u),
-        (randn(2, 9, 8), indices(2, 4, 4, seed=9), indices(9, 4, 4, seed=10),
-         randn(4, 4, 8, seed=1)),
-        (P(), P("a", "b"), P("a", "b"), P("a", "b")), "a2b4")
+def index_passthrough_scatter():  # IndexPassthroughScatter, IndexPassthroughScatter_Min
+  for seed, update in ((7, lambda ref, u: ref.add(u)), (9, lambda ref, u: ref.min(u))):
+    check(lambda x, i, j, u: update(x.at[i, j], u),
+          (randn(2, 9, 8), indices(2, 4, 4, seed=seed), indices(9, 4, 4, seed=seed + 1),
+           randn(4, 4, 8, seed=1)),
+          (P(), P("a", "b"), P("a", "b"), P("a", "b")), "a2b4")
 
 
 @case
