@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
@@ -358,7 +358,8 @@ class Partitioned:
         raise clearer from None
     out_tree, graph_out = out_store[-1]
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
-    outputs = self._output_specs(out_tree, program)
+    types = self._output_types(flat_fun, avals, given, arrivals)
+    outputs = self._output_specs(out_tree, program, types)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     planner = Planner(program, self._mesh_shape, platform=self.mesh.devices.flat[0].platform,
                       resolve=self._rules.resolve, backend=self.backend,
@@ -376,7 +377,7 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    out_shardings = self._returned_shardings(out_tree, analysis)
+    out_shardings = self._returned_shardings(out_tree, analysis, types)
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)
                for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -468,31 +469,59 @@ class Partitioned:
              _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments"))
     return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
-  def _given_out_specs(self, out_tree: Any, program: Any) -> list[P | NamedSharding | None]:
-    """Per output, its out_specs entry (None: open)."""
-    if self.out_specs is None:
-      return [None] * out_tree.num_leaves
-    outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
-    return _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+  def _output_types(self, flat_fun: Callable, avals: tuple, given: tuple,
+                    arrivals: tuple) -> tuple[NamedSharding | None, ...] | None:
+    """On a mesh with Explicit axes, each output's sharding in JAX's sharding-in-types, the
+    arguments typed by their specs (else their committed shardings): what ``jax.jit`` returns
+    for arguments committed so. None where the mesh has no Explicit axis or JAX's typing
+    refuses the function (an ambiguous contraction, an uneven spec), which spmd partitions all
+    the same."""
+    if AxisType.Explicit not in self.mesh.axis_types:
+      return None
+    typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                  sharding=None if s is None else
+                                  NamedSharding(self.mesh, s.to_spec()))
+             for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
+    with jax.set_mesh(self.mesh), self._rules.context():
+      try:
+        outs = jax.eval_shape(flat_fun, *typed)
+      except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
+        return None
+    return tuple(NamedSharding(self.mesh, o.sharding.spec)
+                 if isinstance(o.sharding, NamedSharding) else None for o in outs)
 
-  def _output_specs(self, out_tree: Any, program: Any) -> tuple[TensorSharding | None, ...]:
-    if self.out_specs is None:
-      return (None,) * out_tree.num_leaves
+  def _out_requests(self, out_tree: Any, program: Any,
+                    types: tuple[NamedSharding | None, ...] | None
+                    ) -> list[P | NamedSharding | None]:
+    """Per output, its out_specs entry, else its type's sharding on an Explicit mesh (as
+    ``jax.jit`` returns it); None: open."""
+    given = [None] * out_tree.num_leaves
+    if self.out_specs is not None:
+      outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
+      given = _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
+    if types is None:
+      return given
+    return [g if g is not None else t for g, t in zip(given, types)]
+
+  def _output_specs(self, out_tree: Any, program: Any,
+                    types: tuple[NamedSharding | None, ...] | None) -> tuple[TensorSharding | None, ...]:
     outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
-    specs = self._given_out_specs(out_tree, program)
+    specs = self._out_requests(out_tree, program, types)
     paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(specs, program.outputs, paths))
 
-  def _returned_shardings(self, out_tree: Any, analysis: Analysis) -> tuple[NamedSharding, ...]:
+  def _returned_shardings(self, out_tree: Any, analysis: Analysis,
+                          types: tuple[NamedSharding | None, ...] | None) -> tuple[NamedSharding, ...]:
     """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
     output's out_specs entry as given (logical names resolved) where the program makes that
-    sharding, else the program's spec without trailing Nones (JAX's form of a sharding it
-    infers)."""
+    sharding, else the program's spec as JAX spells a sharding it infers: one entry per dim
+    on a mesh with Explicit axes (the output's type), else without trailing Nones."""
+    explicit = AxisType.Explicit in self.mesh.axis_types
     out = []
-    for given, s, x in zip(self._given_out_specs(out_tree, analysis.program),
+    for given, s, x in zip(self._out_requests(out_tree, analysis.program, types),
                            analysis.schedule.outputs, analysis.program.outputs):
-      made = NamedSharding(self.mesh, _trimmed(s.to_spec()))
+      made = NamedSharding(self.mesh, s.to_spec() if explicit else _trimmed(s.to_spec()))
       if isinstance(given, P):  # logical names as flax's logical_to_mesh_sharding gives them
         given = NamedSharding(self.mesh, self._rules.resolve(given, "out_specs"))
       ndim = len(x.aval.shape)

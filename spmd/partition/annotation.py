@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.ir import Op, names_mesh_axes
@@ -80,6 +80,18 @@ def constraint_request(op: Op) -> Request:
   open_dims = set(op.params.get("unconstrained_dims") or ())
   open_dims |= {d for d, e in enumerate(spec) if e is P.UNCONSTRAINED}
   return spec, frozenset(open_dims)
+
+
+def reshard_request(op: Op) -> Request:
+  """``jax.sharding.reshard``'s destination. Over Explicit axes it is the result's type: a dim it
+  leaves None is replicated, as under ``jax.jit``; where its mesh has Auto axes (inside
+  ``auto_axes``) only the dims naming mesh axes are asked for."""
+  sharding = op.params["dst_sharding"]
+  spec, rank = sharding.spec, len(op.outputs[0].shape)
+  if AxisType.Auto not in sharding.mesh.axis_types:
+    return spec, frozenset(d for d in range(min(rank, len(spec))) if spec[d] is P.UNCONSTRAINED)
+  return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
+                         or spec[d] is P.UNCONSTRAINED)
 
 
 def _out_sharding(op: Op) -> Request | None:

@@ -14,7 +14,8 @@ import jax
 from jax.extend.core import Primitive
 
 from spmd.partition import local, manual
-from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
+from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
+                                       reshard_request)
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Inline, Linearity,
                                       Manual, PrimitiveInfo)
@@ -134,8 +135,10 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # elementwise and identities
       ((*ELEMENTWISE_UNARY, *ELEMENTWISE_NARY), PrimitiveInfo(ew)),
       (tuple(ELEMENTWISE_LINEAR), PrimitiveInfo(ew, ADDITIVE_IN_FIRST)),
-      # identities: checkpoint_name, the reshard JAX inserts under a mesh context, relayout
-      (("name", "reshard", "relayout"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
+      # identities: checkpoint_name, relayout
+      (("name", "relayout"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
+      (("reshard",),
+       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands, annotation=reshard_request)),
       (("add", "sub", "add_any"), PrimitiveInfo(ew, Linearity((0, 1), additive=True))),
       (("mul",), PrimitiveInfo(ew, Linearity((0, 1)))),
       (("div",), PrimitiveInfo(ew, Linearity((0,)))),
