@@ -218,10 +218,10 @@ class Partitioned:
           raise clearer from None
       if key is not None:
         self._dispatch[key] = compiled
+    leaves = self._placed(compiled.analysis, leaves)
     if compiled.steady and key is not None:
       self._steady[structure] = _Steady.of(compiled, leaves)
       return compiled.outputs(compiled.execute(leaves))
-    leaves = self._placed(compiled.analysis, leaves)
     return compiled.outputs(compiled.fn(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -450,13 +450,19 @@ class Partitioned:
     return call
 
   def _placed(self, analysis: Analysis, leaves: Sequence[Any]) -> Sequence[Any]:
-    """On a mesh spanning several processes, numpy arguments as global arrays: each process
-    holds the whole value (as a script written for one process computes it) and places the
-    shards its own devices hold, padded where uneven (``jax.jit`` takes numpy there only
-    replicated)."""
+    """The arguments as the program takes them. Arrays committed off the mesh (to one device,
+    or to a mesh of other devices or another device order), which the plan took as
+    uncommitted, are copied onto it as their input's sharding, as numpy arguments are (jax.jit
+    refuses most of them). On a mesh spanning several processes, numpy arguments as global
+    arrays: each process holds the whole value (as a script written for one process computes
+    it) and places the shards its own devices hold, padded where uneven (``jax.jit`` takes
+    numpy there only replicated)."""
+    mesh = with_auto_axes(self.mesh)
+    leaves = [_onto(x, NamedSharding(mesh, s.to_spec()), s.divides(v.aval.shape, self._mesh_shape))
+              if _off_mesh(x, self.mesh) else x
+              for x, s, v in zip(leaves, analysis.schedule.inputs, analysis.program.inputs)]
     if not self.mesh.is_multi_process:
       return leaves
-    mesh = with_auto_axes(self.mesh)
     return [_global_array(x, s, v.aval.dtype, mesh) if isinstance(x, np.ndarray) and x.ndim
             else x for x, s, v in zip(leaves, analysis.schedule.inputs, analysis.program.inputs)]
 
@@ -504,7 +510,8 @@ class Partitioned:
     return [g if g is not None else t for g, t in zip(given, types)]
 
   def _output_specs(self, out_tree: Any, program: Any,
-                    types: tuple[NamedSharding | None, ...] | None) -> tuple[TensorSharding | None, ...]:
+                    types: tuple[NamedSharding | None, ...] | None
+                    ) -> tuple[TensorSharding | None, ...]:
     outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
     specs = self._out_requests(out_tree, program, types)
     paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
@@ -512,7 +519,8 @@ class Partitioned:
                  for spec, atom, path in zip(specs, program.outputs, paths))
 
   def _returned_shardings(self, out_tree: Any, analysis: Analysis,
-                          types: tuple[NamedSharding | None, ...] | None) -> tuple[NamedSharding, ...]:
+                          types: tuple[NamedSharding | None, ...] | None
+                          ) -> tuple[NamedSharding, ...]:
     """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
     output's out_specs entry as given (logical names resolved) where the program makes that
     sharding, else the program's spec as JAX spells a sharding it infers: one entry per dim
@@ -668,6 +676,19 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None
+
+
+def _off_mesh(leaf: Any, mesh: Mesh) -> bool:
+  """Whether ``leaf`` is a concrete JAX array committed elsewhere than ``mesh``'s devices in
+  their order."""
+  return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
+          and _committed_spec(leaf, mesh) is None)
+
+
+def _onto(x: jax.Array, sharding: NamedSharding, even: bool) -> Any:
+  """``x`` copied onto ``sharding`` where it divides ``x`` evenly, else to the host (uneven
+  inputs are padded there before the program, as numpy arguments are)."""
+  return jax.device_put(x, sharding) if even else np.asarray(x)
 
 
 def _global_array(x: np.ndarray, s: TensorSharding, dtype: Any, mesh: Mesh) -> jax.Array:
