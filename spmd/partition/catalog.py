@@ -149,6 +149,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
        PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands, annotation=constraint_request)),
       (("bitcast_convert_type",), PrimitiveInfo(elementwise.bitcast_convert_type)),
       (("optimization_barrier",), PrimitiveInfo(elementwise.per_tensor_identity)),
+      # jax.experimental.shard_alike: its operands (one shape) share one sharding
+      (("shard_alike",), PrimitiveInfo(ew, local=local.operands)),
       (("device_put",), PrimitiveInfo(elementwise.per_tensor_identity, local=local.operands)),
       # shapes
       (("broadcast_in_dim",),

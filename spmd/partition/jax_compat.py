@@ -25,7 +25,8 @@ from jax.extend import core as jcore
 PRIMITIVE_MODULES = ("jax._src.lax", "jax._src.prng", "jax._src.random", "jax._src.ad_util",
                      "jax._src.ad_checkpoint", "jax._src.custom_derivatives", "jax._src.pjit",
                      "jax._src.core", "jax._src.interpreters.ad", "jax._src.dispatch",
-                     "jax._src.shard_map", "jax._src.callback", "jax._src.debugging")
+                     "jax._src.shard_map", "jax._src.callback", "jax._src.debugging",
+                     "jax._src.shard_alike")
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
