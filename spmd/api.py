@@ -23,7 +23,7 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.annotation import restate_spec_error
-from spmd.partition.ir import build_program
+from spmd.partition.ir import build_program, names_mesh_axes
 from spmd.partition.jax_compat import lowering_platform
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
@@ -443,7 +443,7 @@ class Partitioned:
                           [cts[j] for j in out_diff])
       out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in leaves]
       for i, g in zip(in_diff, grads):
-        out[i] = g
+        out[i] = _typed_like(g, leaves[i])
       return tuple(out)
 
     call.defvjp(fwd, bwd)
@@ -488,7 +488,7 @@ class Partitioned:
                                   sharding=None if s is None else
                                   NamedSharding(self.mesh, s.to_spec()))
              for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
-    with jax.set_mesh(self.mesh), self._rules.context():
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
       try:
         outs = jax.eval_shape(flat_fun, *typed)
       except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
@@ -676,6 +676,16 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec
   return None
+
+
+def _typed_like(x: Any, like: Any) -> Any:
+  """``x`` with the sharding of ``like``'s type: under explicit mode a committed argument's type
+  carries its sharding, and JAX requires its cotangent to have that type (spmd's program, traced
+  over the mesh's Auto twin, types its results without shardings)."""
+  want = jax.typeof(like).sharding
+  if not names_mesh_axes(want) or jax.typeof(x).sharding.spec == want.spec:
+    return x
+  return jax.sharding.reshard(x, want)
 
 
 def _off_mesh(leaf: Any, mesh: Mesh) -> bool:

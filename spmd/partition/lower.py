@@ -40,8 +40,14 @@ def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int],
   interpreter = _Interpreter(analysis, shape)
   in_specs = tuple(s.to_spec() for s in sched.inputs)
   out_specs = tuple(s.to_spec() for s in sched.outputs)
-  local = jax.shard_map(interpreter.run, mesh=with_auto_axes(mesh), in_specs=in_specs,
-                        out_specs=out_specs, check_vma=False)
+  auto = with_auto_axes(mesh)
+  program = jax.shard_map(interpreter.run, mesh=auto, in_specs=in_specs, out_specs=out_specs,
+                          check_vma=False)
+
+  def local(*args: Any) -> Any:  # traced under its own mesh, whatever mesh the caller set
+    with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
+      return program(*args)
+
   jitted = jax.jit(local, in_shardings=tuple(NamedSharding(mesh, p) for p in in_specs),
                    out_shardings=tuple(out_shardings), donate_argnums=tuple(donate_argnums))
   inputs = analysis.program.inputs

@@ -47,7 +47,8 @@ def lower_xla(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int],
   def body(*flat_args: Any) -> tuple[Any, ...]:
     env: dict[Value, Any] = const_arrays(program.consts)
     env.update(zip(program.inputs, flat_args))
-    run(program.ops, env)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # whatever mesh the caller set
+      run(program.ops, env)
     return tuple(weakly_typed(_read(env, x)) if x.aval.weak_type else _read(env, x)
                  for x in program.outputs)
 
