@@ -133,6 +133,37 @@ def explicit_contraction_jax_refuses_spmd_runs():
   assert plan.out_specs == P("x", None)
 
 
+@case
+def explicit_under_set_mesh():
+  """Called inside ``with jax.set_mesh(mesh)`` (explicit-mode code runs there): the program over
+  the mesh's Auto twin ran into JAX's check that a shard_map's mesh is the context mesh (and
+  with backend="xla", its constraints into explicit mode's assert); grad too."""
+  mesh = explicit_mesh()
+  fn = lambda x, w: jnp.tanh(jnp.einsum("ij,jk->ik", x, w, out_sharding=P(None, "y")))  # noqa
+  args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in ((X, P("x")), (W, P())))
+  with jax.set_mesh(mesh):
+    want = jax.jit(fn)(*args)
+    want_grad = jax.jit(jax.grad(lambda x, w: fn(x, w).sum()))(*args)
+    for backend in ("spmd", "xla"):
+      f = spmd.partition(fn, mesh=mesh, backend=backend)
+      got = f(*args)
+      assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+      assert_like_jit(got, want)
+      grad = jax.grad(lambda x, w: f(x, w).sum())(*args)
+      assert_trees_match(grad, want_grad, rtol=1e-5, atol=1e-5)
+  assert_partitioned_matches(fn, args, None, mesh, reference=lambda *_: want)
+
+
+@case
+def explicit_axes_inside():
+  """explicit_axes needs the concrete mesh in context (jax.set_mesh), under jax.jit as here."""
+  mesh = get_mesh("a2b4")
+  def f(x):
+    return jax.sharding.explicit_axes(lambda a: a * 2, axes=("a",), in_sharding=P("a", None))(x)
+  with jax.set_mesh(mesh):
+    check_jit(f, (X,), P(None, "b"), mesh, P("a", None))
+
+
 @gap("spmd traces the function on avals without shardings (its in_specs are specs, not types), "
      "so jax.typeof(x).sharding inside reads x unsharded where jax.jit's reads its type")
 def explicit_typeof_sharding_inside():
@@ -244,6 +275,35 @@ def associative_scan_custom_op():
 def zero_size_dims_with_specs():
   check_jit(lambda x, y: (x.sum(1), y * 2), (randn(8, 0), randn(0, 16)), (P("a"), P(None, "b")),
             "a2b4", (P("a"), P(None, "b")))
+
+
+@case
+def debug_callbacks_run_once_per_call():
+  """jax.debug.print / jax.debug.callback see whole values and run once per call (per trip in a
+  scan), as under jax.jit: spmd's program ran them on every device (8 prints)."""
+  def run(partitioned: Callable) -> list:
+    calls: list = []
+
+    def fn(x):
+      jax.debug.callback(lambda s: calls.append(("sum", float(s))), x.sum())
+      def step(c, row):
+        jax.debug.callback(lambda r: calls.append(("row", r.shape)), row)
+        return c + row, None
+      jax.debug.print("x[0, 0] = {}", x[0, 0])
+      return lax.scan(step, jnp.zeros(16), x)[0]
+
+    out = partitioned(fn)(X)
+    jax.effects_barrier()
+    return out, sorted(calls, key=str)
+
+  mesh = get_mesh("a2b4")
+  got, got_calls = run(lambda fn: spmd.partition(fn, mesh=mesh, in_specs=P("a", "b")))
+  want, want_calls = run(lambda fn: jax.jit(fn, in_shardings=NamedSharding(mesh, P("a", "b"))))
+  assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+  assert [c[0] for c in got_calls] == [c[0] for c in want_calls] == ["row"] * 8 + ["sum"]
+  assert got_calls[:8] == want_calls[:8] and abs(got_calls[8][1] - want_calls[8][1]) < 1e-4
+  calls_fn = lambda x: (jax.debug.print("{}", x.sum()), x * 2)[1]  # noqa: E731
+  assert_partitioned_matches(calls_fn, (X,), P("a", "b"), mesh, replicated=("debug_print",))
 
 
 # --- shard_map themes -----------------------------------------------------------------------------

@@ -75,6 +75,8 @@ REPLICATED: dict[str, str] = {
 # Primitives whose every application draws new values from the device's generator state (no key
 # operand): two equal applications are two different arrays, never merged.
 STATEFUL = {"rng_uniform"}
+# Callbacks with no results, for their effect on the host (printing): called once per call.
+DEBUG_CALLBACKS = {"debug_callback", "debug_print"}
 
 CONTROL_FLOW = {
     "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan, lambda p: p["length"],
@@ -219,7 +221,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       *(((name,), PrimitiveInfo(inline=call_body(param))) for name, param in INLINED_CALLS.items()),
       (("custom_linear_solve",), PrimitiveInfo(inline=linear_solve_body)),
       (("call_hi_primitive",), PrimitiveInfo(inline=hi_primitive_body)),
-      *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL))
+      *(((name,), PrimitiveInfo(reason=why, stateful=name in STATEFUL,
+                                local=local.on_first_device if name in DEBUG_CALLBACKS else None))
         for name, why in REPLICATED.items()),
       (("shard_map",), PrimitiveInfo(manual.rule, local=manual.lower, manual=Manual(
           manual.specs, manual.shardings, manual.collectives, manual.bind_whole))),

@@ -72,6 +72,17 @@ def run_local(local: Local, args: list) -> list:
   return info.local(local, args) if info and info.local else bind(local.op, args)
 
 
+def on_first_device(local: Local, args: list) -> list:
+  """A debug callback (``jax.debug.print``, ``jax.debug.callback``) on whole operands, called by
+  the first device only: it prints once per call, as under ``jax.jit``, not once per device."""
+  def call(whole: tuple) -> tuple:
+    bind(local.op, list(whole))
+    return ()
+
+  lax.cond(shard_index(tuple(local.mesh)) == 0, call, lambda _: (), tuple(args))
+  return []
+
+
 def broadcast_in_dim(local: Local, args: list) -> list:
   return bind(local.op, args, shape=local.out_shape())
 
