@@ -39,7 +39,9 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
               out_specs: Any = None, rules: Sequence[tuple[str, Any]] | None = None,
               static_argnums: int | Sequence[int] = (),
               donate_argnums: int | Sequence[int] = (), backend: str = "spmd",
-              auto: bool = False, memory_limit: int | None = None) -> Any:
+              auto: bool = False, memory_limit: int | None = None,
+              static_argnames: str | Sequence[str] = (),
+              donate_argnames: str | Sequence[str] = ()) -> Any:
   """Partitions ``fun`` over ``mesh``: one SPMD program for every device.
 
   ``in_specs`` / ``out_specs`` are pytree prefixes of the (non-static) arguments / the outputs
@@ -62,14 +64,22 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   ``memory_stats()["bytes_limit"]``; XLA:CPU reports none: no limit); ``plan.search`` says what
   it chose.
   Given specs, committed arguments and annotations are kept; open outputs follow propagation.
+
+  ``static_argnames`` / ``donate_argnames`` name parameters as ``jax.jit``'s do: they add to
+  ``static_argnums`` / ``donate_argnums`` (arguments passed by keyword are bound to positions).
   """
   if fun is None:
     return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              rules=rules, static_argnums=static_argnums,
                              donate_argnums=donate_argnums, backend=backend, auto=auto,
-                             memory_limit=memory_limit)
-  return Partitioned(fun, mesh, in_specs, out_specs, _ints(static_argnums, "static_argnums"),
-                     _ints(donate_argnums, "donate_argnums"), backend, rules, auto, memory_limit)
+                             memory_limit=memory_limit, static_argnames=static_argnames,
+                             donate_argnames=donate_argnames)
+  static = _ints(static_argnums, "static_argnums") + _argnums(fun, static_argnames,
+                                                              "static_argnames")
+  donated = _ints(donate_argnums, "donate_argnums") + _argnums(fun, donate_argnames,
+                                                               "donate_argnames")
+  return Partitioned(fun, mesh, in_specs, out_specs, tuple(dict.fromkeys(static)),
+                     tuple(dict.fromkeys(donated)), backend, rules, auto, memory_limit)
 
 
 @dataclass(frozen=True)
@@ -789,6 +799,20 @@ def _check_leaf(name: str, leaf: Any) -> None:
     return
   raise TypeError(f"spmd.partition: argument {name} is a {type(leaf).__name__}, not an array; "
                   "pass arrays or mark the argument static with static_argnums")
+
+
+def _argnums(fun: Callable, names: str | Sequence[str], what: str) -> tuple[int, ...]:
+  """The positions of the parameters ``names`` of ``fun`` (as ``jax.jit`` resolves them)."""
+  names = (names,) if isinstance(names, str) else tuple(names)
+  if not names:
+    return ()
+  params = [p.name for p in inspect.signature(fun).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  unknown = [n for n in names if n not in params]
+  if unknown:
+    raise ValueError(f"spmd.partition: {what} {unknown} are not positional parameters of "
+                     f"{getattr(fun, '__name__', fun)}{tuple(params)}")
+  return tuple(params.index(n) for n in names)
 
 
 def _ints(x: int | Sequence[int], what: str) -> tuple[int, ...]:

@@ -183,6 +183,33 @@ def nested_jit_with_shardings():
 
 
 @case
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def static_and_donate_argnames():
+  """static_argnames / donate_argnames as jax.jit takes them (spmd.partition had neither), by
+  position or by keyword (which jax.jit with in_shardings refuses); an unknown name is
+  refused."""
+  mesh = get_mesh("a2b4")
+
+  def fn(x, w, act, scale):
+    return getattr(jnp, act)(x @ w) * scale, x + 1
+
+  specs = (P("a"), P(None, "b"))
+  options = dict(static_argnames=("act", "scale"), donate_argnames="x")
+  reference = jax.jit(fn, in_shardings=named(mesh, specs), **options)
+  f = spmd.partition(fn, mesh=mesh, in_specs=specs, **options)
+  placed = lambda: jax.device_put(X, NamedSharding(mesh, P("a")))  # noqa: E731
+  for act, scale in (("tanh", 2.0), ("sin", 0.5)):  # jax.jit with in_shardings takes no kwargs
+    mine, theirs = placed(), placed()
+    got = f(mine, W, act, scale) if act == "tanh" else f(mine, W, act=act, scale=scale)
+    want = reference(theirs, W, act, scale)
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+    assert_like_jit(got, want)
+    assert mine.is_deleted() and theirs.is_deleted()
+  with pytest.raises(ValueError, match=r"static_argnames \['activation'\] are not positional"):
+    spmd.partition(fn, mesh=mesh, static_argnames="activation")
+
+
+@case
 def high_rank():
   check_jit(lambda x: jnp.tanh(x).sum((1, 3)), (randn(2, 3, 4, 2, 4, 2),),
             P("a", None, None, None, "b"), "a2b4")
