@@ -336,13 +336,13 @@ class Partitioned:
       # auto=True ties open leaves by shape, dtype and last pytree key
       ties = tuple((aval.shape, aval.dtype, path[-1]) for (path, _), aval in zip(with_paths, avals))
       self._cache[key] = self._build(args, statics, dyn_idx, in_tree, avals, labels, given,
-                                     arrivals, ties)
+                                     arrivals, ties, requested)
     return self._cache[key], leaves
 
   @_collector_paused()
   def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, avals: tuple,
              leaf_names: list[str], given: tuple, arrivals: tuple,
-             ties: tuple) -> _Compiled:
+             ties: tuple, requested: list) -> _Compiled:
     out_store: list[Any] = []
 
     def flat_fun(*flat: Any) -> list:
@@ -400,7 +400,8 @@ class Partitioned:
     return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
                      steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
-                     tuple(NamedSharding(self.mesh, s.to_spec()) for s in analysis.schedule.inputs)
+                     tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
+                           zip(requested, analysis.schedule.inputs, program.inputs))
                      if even else None, out_shardings)
 
   def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
@@ -535,17 +536,21 @@ class Partitioned:
     output's out_specs entry as given (logical names resolved) where the program makes that
     sharding, else the program's spec as JAX spells a sharding it infers: one entry per dim
     on a mesh with Explicit axes (the output's type), else without trailing Nones."""
+    return tuple(self._spelled(given, s, len(x.aval.shape)) for given, s, x in zip(
+        self._out_requests(out_tree, analysis.program, types), analysis.schedule.outputs,
+        analysis.program.outputs))
+
+  def _spelled(self, given: P | NamedSharding | None, s: TensorSharding,
+               ndim: int) -> NamedSharding:
+    """Sharding ``s`` on the user's mesh as ``jax.jit`` spells it: ``given`` (a spec or
+    sharding, logical names resolved as flax's logical_to_mesh_sharding does) where it is
+    ``s``, else as JAX spells one it infers (see ``_returned_shardings``)."""
     explicit = AxisType.Explicit in self.mesh.axis_types
-    out = []
-    for given, s, x in zip(self._out_requests(out_tree, analysis.program, types),
-                           analysis.schedule.outputs, analysis.program.outputs):
-      made = NamedSharding(self.mesh, s.to_spec() if explicit else _trimmed(s.to_spec()))
-      if isinstance(given, P):  # logical names as flax's logical_to_mesh_sharding gives them
-        given = NamedSharding(self.mesh, self._rules.resolve(given, "out_specs"))
-      ndim = len(x.aval.shape)
-      out.append(given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
-                 else made)
-    return tuple(out)
+    made = NamedSharding(self.mesh, s.to_spec() if explicit else _trimmed(s.to_spec()))
+    if isinstance(given, P):
+      given = NamedSharding(self.mesh, self._rules.resolve(given, "specs"))
+    return (given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
+            else made)
 
   def _sharding(self, spec: P | NamedSharding | None, shape: tuple[int, ...],
                 what: str) -> TensorSharding | None:

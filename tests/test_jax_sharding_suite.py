@@ -85,6 +85,23 @@ def explicit_elementwise_reduce_transpose_reshape():
 
 
 @case
+def explicit_ops_keep_their_types():
+  """Explicit-mode ops of JAX's ShardingInTypes tests: each output has the sharding its type
+  gives (concatenate, max, broadcast, cond, scan, where, a scatter, a dot with out_sharding)."""
+  def f(x, w):
+    y = jnp.concatenate([x, x * 2], axis=1)
+    m = jnp.max(x, axis=1)
+    b = jnp.broadcast_to(m[:, None], (8, 4))
+    c = lax.cond(m.sum() > 0, lambda v: v * 2, lambda v: -v, x)
+    s = lax.scan(lambda carry, col: (carry + col, carry.sum()), jnp.zeros(8, out_sharding=P("x")),
+                 x.T)
+    d = jnp.dot(x, w, out_sharding=P("x", None))
+    row0 = x.at[0].set(1.0, out_sharding=P("x", None))
+    return y, m, b, c, s, jnp.where(x > 0, x, 0.0), row0, d
+  check_explicit(f, (X, W), (P("x", None), P()))
+
+
+@case
 def explicit_reshard_inside():
   check_explicit(lambda x: jax.sharding.reshard(x * 2, P(None, "y")) + 1, (X,), (P("x", None),))
 
@@ -210,6 +227,20 @@ def static_and_donate_argnames():
 
 
 @case
+def sub_mesh_axis_sets_and_short_specs():
+  """A 3-D mesh: specs shorter than the rank, tuple axes over two of three mesh axes, and
+  with_sharding_constraint on a pytree naming other axis sets."""
+  mesh = get_mesh("a2b2c2")
+  def f(x, y):
+    t = lax.with_sharding_constraint(
+        {"x": jnp.sin(x), "y": y * 2},
+        {"x": NamedSharding(mesh, P(("a", "c"))), "y": NamedSharding(mesh, P(None, "b"))})
+    return jnp.einsum("ijk,kl->ijl", t["x"], t["y"]), t["y"].sum(0)
+  check_jit(f, (randn(8, 4, 6), randn(6, 4, seed=1)), (P(("b", "c")), P("a")), mesh,
+            (P(("b", "c")), P()))
+
+
+@case
 def high_rank():
   check_jit(lambda x: jnp.tanh(x).sum((1, 3)), (randn(2, 3, 4, 2, 4, 2),),
             P("a", None, None, None, "b"), "a2b4")
@@ -331,6 +362,22 @@ def debug_callbacks_run_once_per_call():
   assert got_calls[:8] == want_calls[:8] and abs(got_calls[8][1] - want_calls[8][1]) < 1e-4
   calls_fn = lambda x: (jax.debug.print("{}", x.sum()), x * 2)[1]  # noqa: E731
   assert_partitioned_matches(calls_fn, (X,), P("a", "b"), mesh, replicated=("debug_print",))
+
+
+@case
+def compiled_formats_and_shardings_equal_jit():
+  """layout_test's view of a compiled program: input / output formats (layout and sharding) and
+  shardings as jax.jit's compiled object gives them (spmd spelled the inputs with trailing
+  Nones, P('b', None) for the P('b') it was given). A Format as a spec is refused clearly."""
+  mesh = get_mesh("a2b4")
+  fn = lambda x, w: (jnp.tanh(x @ w), x.T)  # noqa: E731
+  specs = (P("a", "b"), P("b"))
+  mine = spmd.partition(fn, mesh=mesh, in_specs=specs).lower(X, W).compile()
+  theirs = jax.jit(fn, in_shardings=named(mesh, specs)).lower(X, W).compile()
+  for attr in ("input_formats", "output_formats", "input_shardings", "output_shardings"):
+    assert getattr(mine, attr) == getattr(theirs, attr), attr
+  with pytest.raises(TypeError, match="in_specs leaves must be PartitionSpec, NamedSharding or"):
+    spmd.partition(fn, mesh=mesh, in_specs=(theirs.input_formats[0][0], P("b")))(X, W)
 
 
 # --- shard_map themes -----------------------------------------------------------------------------
