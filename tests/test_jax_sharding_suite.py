@@ -20,8 +20,6 @@ from helpers import (as_mesh, assert_like_jit, assert_partitioned_matches, asser
                      get_mesh, named, randn)
 
 CASES: list[Callable[[], None]] = []
-
-
 XFAIL: dict[str, str] = {}  # case name -> the precise cause (docs/ARCHITECTURE.md, Known gaps)
 
 
