@@ -97,9 +97,12 @@ class _Compiled:
   out_shardings: tuple[NamedSharding, ...]  # the outputs' shardings, as jax.jit returns them
 
   def outputs(self, flat: Sequence[Any]) -> Any:
-    """The function's outputs from the program's flat ones (NNX modules rebuilt with their
-    shared variables shared, as nnx.jit returns them)."""
-    out = tree_unflatten(self.out_tree, flat)
+    """The function's outputs from the program's flat ones."""
+    return self.rebuilt(tree_unflatten(self.out_tree, flat))
+
+  def rebuilt(self, out: Any) -> Any:
+    """The outputs' pytree with NNX modules rebuilt, their shared variables shared, as nnx.jit
+    returns them."""
     return sys.modules["flax.nnx"].from_tree(out) if self.graph_out else out
 
   @functools.cached_property
@@ -123,9 +126,10 @@ class _Compiled:
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
         for v in self.analysis.program.inputs])).compile()
 
-  def execute(self, leaves: Sequence[Any]) -> list:
-    """``executable``'s flat outputs for the arguments' flat leaves."""
-    return jax.tree_util.tree_leaves(self.executable(*tree_unflatten(self.in_tree, leaves)))
+  def execute(self, leaves: Sequence[Any]) -> Any:
+    """``executable``'s outputs (their pytree, before ``rebuilt``) for the arguments' flat
+    leaves."""
+    return self.executable(*tree_unflatten(self.in_tree, leaves))
 
 
 @dataclass(frozen=True)
@@ -146,17 +150,21 @@ class _Steady:
                    tuple(_committed(leaves[i]) for i in compiled.watched),
                    tuple(i for i, x in enumerate(leaves) if isinstance(x, jax.Array)))
 
-  def call(self, leaves: Sequence[Any]) -> Sequence[Any] | None:
-    """The flat outputs, or None where the arguments need the full path (other avals,
-    shardings or types, a deleted buffer: the full path says which)."""
+  def call(self, leaves: Sequence[Any]) -> Any:
+    """The outputs' pytree (as ``_Compiled.execute``), or ``_MISSED`` where the arguments need
+    the full path (other avals, shardings or types, a deleted buffer: the full path says
+    which)."""
     if (tuple(map(type, leaves)) != self.types or _weak_types(leaves) != self.weak
         or tuple(_committed(leaves[i]) for i in self.compiled.watched) != self.committed
         or any(leaves[i].is_deleted() for i in self.arrays)):  # JAX 0.10 crashes on those
-      return None
+      return _MISSED
     try:
       return self.compiled.execute(leaves)
     except (TypeError, ValueError):  # raised by the argument check, before anything runs
-      return None
+      return _MISSED
+
+
+_MISSED = object()  # a steady call that needs the full path (None is a valid output tree)
 
 
 @contextlib.contextmanager
@@ -210,9 +218,9 @@ class Partitioned:
     structure, leaves = _structure(args, self.static_argnums)
     steady = self._steady.get(structure) if structure is not None else None
     if steady is not None:
-      outs = steady.call(leaves)
-      if outs is not None:
-        return steady.compiled.outputs(outs)
+      out = steady.call(leaves)
+      if out is not _MISSED:
+        return steady.compiled.rebuilt(out)
     key = _dispatch_key(structure, leaves) if structure is not None else None
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
@@ -231,7 +239,7 @@ class Partitioned:
     leaves = self._placed(compiled.analysis, leaves)
     if compiled.steady and key is not None:
       self._steady[structure] = _Steady.of(compiled, leaves)
-      return compiled.outputs(compiled.execute(leaves))
+      return compiled.rebuilt(compiled.execute(leaves))
     return compiled.outputs(compiled.fn(*leaves))
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -368,8 +376,9 @@ class Partitioned:
         raise clearer from None
     out_tree, graph_out = out_store[-1]
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
-    types = self._output_types(flat_fun, avals, given, arrivals)
-    outputs = self._output_specs(out_tree, program, types)
+    requests = self._out_requests(out_tree, program,
+                                  self._output_types(flat_fun, avals, given, arrivals))
+    outputs = self._output_specs(requests, out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     planner = Planner(program, self._mesh_shape, platform=self.mesh.devices.flat[0].platform,
                       resolve=self._rules.resolve, backend=self.backend,
@@ -387,7 +396,7 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    out_shardings = self._returned_shardings(out_tree, analysis, types)
+    out_shardings = self._returned_shardings(requests, analysis)
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)
                for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -520,25 +529,23 @@ class Partitioned:
       return given
     return [g if g is not None else t for g, t in zip(given, types)]
 
-  def _output_specs(self, out_tree: Any, program: Any,
-                    types: tuple[NamedSharding | None, ...] | None
-                    ) -> tuple[TensorSharding | None, ...]:
+  def _output_specs(self, requests: list[P | NamedSharding | None], out_tree: Any,
+                    program: Any) -> tuple[TensorSharding | None, ...]:
+    """Per output, its request (``_out_requests``) as a sharding."""
     outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
-    specs = self._out_requests(out_tree, program, types)
     paths = [keystr(p) for p, _ in tree_flatten_with_path(outs)[0]]
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
-                 for spec, atom, path in zip(specs, program.outputs, paths))
+                 for spec, atom, path in zip(requests, program.outputs, paths))
 
-  def _returned_shardings(self, out_tree: Any, analysis: Analysis,
-                          types: tuple[NamedSharding | None, ...] | None
-                          ) -> tuple[NamedSharding, ...]:
+  def _returned_shardings(self, requests: list[P | NamedSharding | None],
+                          analysis: Analysis) -> tuple[NamedSharding, ...]:
     """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
-    output's out_specs entry as given (logical names resolved) where the program makes that
-    sharding, else the program's spec as JAX spells a sharding it infers: one entry per dim
-    on a mesh with Explicit axes (the output's type), else without trailing Nones."""
+    output's request (``_out_requests``: its out_specs entry as given, logical names resolved)
+    where the program makes that sharding, else the program's spec as JAX spells a sharding it
+    infers: one entry per dim on a mesh with Explicit axes (the output's type), else without
+    trailing Nones."""
     return tuple(self._spelled(given, s, len(x.aval.shape)) for given, s, x in zip(
-        self._out_requests(out_tree, analysis.program, types), analysis.schedule.outputs,
-        analysis.program.outputs))
+        requests, analysis.schedule.outputs, analysis.program.outputs))
 
   def _spelled(self, given: P | NamedSharding | None, s: TensorSharding,
                ndim: int) -> NamedSharding:

@@ -201,6 +201,18 @@ def test_steady_state_path_runs_the_program_a_fresh_call_would_build(mesh):
   np.testing.assert_array_equal(grad, jnp.full_like(X, 2.0))
 
 
+def test_steady_state_calls_return_none_and_none_leaves(mesh):
+  """None is an output like any other on the steady path (not a miss of it)."""
+  nothing = spmd.partition(lambda x: None, mesh=mesh, in_specs=P("data"))
+  some = spmd.partition(lambda x: {"none": None, "y": (x * 2, None)}, mesh=mesh,
+                        in_specs=P("data"))
+  for _ in range(3):
+    assert nothing(X) is None
+    out = some(X)
+    assert out["none"] is None and out["y"][1] is None
+    np.testing.assert_array_equal(out["y"][0], X * 2)
+
+
 def test_static_argnums_and_keyword_arguments(mesh):
   def h(x, power, scale):
     return x ** power * scale
