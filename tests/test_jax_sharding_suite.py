@@ -179,9 +179,10 @@ def explicit_axes_inside():
     check_jit(f, (X,), P(None, "b"), mesh, P("a", None))
 
 
-@gap("spmd traces the function on avals without shardings (its in_specs are specs, not types), "
-     "so jax.typeof(x).sharding inside reads x unsharded where jax.jit's reads its type")
+@case
 def explicit_typeof_sharding_inside():
+  """jax.typeof inside reads the argument's type, as under jax.jit: spmd traced on avals without
+  shardings, so this computed x * 3."""
   def f(x):
     return x * 2 if jax.typeof(x).sharding.spec[0] == "x" else x * 3
   check_explicit(f, (X,), (P("x", None),))
