@@ -20,21 +20,12 @@ from helpers import (as_mesh, assert_like_jit, assert_partitioned_matches, asser
                      get_mesh, named, randn)
 
 CASES: list[Callable[[], None]] = []
-XFAIL: dict[str, str] = {}  # case name -> the precise cause (docs/ARCHITECTURE.md, Known gaps)
 
 
 def case(fn: Callable[[], None]) -> Callable[[], None]:
   """Registers a case: a function of no arguments that runs its checks."""
   CASES.append(fn)
   return fn
-
-
-def gap(reason: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-  """Registers a case that fails for a known gap (a strict xfail: it must fail)."""
-  def register(fn: Callable[[], None]) -> Callable[[], None]:
-    XFAIL[fn.__name__] = reason
-    return case(fn)
-  return register
 
 
 def explicit_mesh() -> jax.sharding.Mesh:
@@ -199,7 +190,6 @@ def nested_jit_with_shardings():
 
 
 @case
-@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def static_and_donate_argnames():
   """static_argnames / donate_argnames as jax.jit takes them (spmd.partition had neither), by
   position or by keyword (which jax.jit with in_shardings refuses); an unknown name is
@@ -469,8 +459,6 @@ def arguments_from_every_source():
                                  atol=1e-5)
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c.__name__])]
-                 if c.__name__ in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES, ids=[c.__name__ for c in CASES])
 def test_case(run: Callable[[], None]) -> None:
   run()
