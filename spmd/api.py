@@ -500,11 +500,11 @@ class Partitioned:
     spec): spmd then traces it untyped and partitions it all the same."""
     if AxisType.Explicit not in self.mesh.axis_types:
       return None
-    typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                  sharding=None if s is None else
-                                  NamedSharding(self.mesh, s.to_spec()))
-             for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
     try:
+      typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                    sharding=None if s is None else
+                                    NamedSharding(self.mesh, s.to_spec()))
+               for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
       return jax.make_jaxpr(flat_fun)(*typed)
     except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
       return None
