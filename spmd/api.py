@@ -363,12 +363,17 @@ class Partitioned:
       return out_leaves
 
     # Traced under the mesh (its own axis types: bare-spec constraints and Explicit-mode
-    # ``out_sharding=`` trace) on avals without shardings: a committed argument's sharding is a
-    # spec like any other, not a type JAX would propagate into the ops' params.
+    # ``out_sharding=`` trace); on an Auto mesh on avals without shardings (a committed
+    # argument's sharding is a spec like any other), on an Explicit one typed as jax.jit types
+    # committed arguments where JAX's typing takes the function.
     unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
       try:
-        closed = jax.make_jaxpr(flat_fun)(*unsharded)
+        closed = self._trace_typed(flat_fun, avals, given, arrivals)
+        types = None if closed is None else tuple(
+            NamedSharding(self.mesh, a.sharding.spec) for a in closed.out_avals)
+        if closed is None:
+          closed = jax.make_jaxpr(flat_fun)(*unsharded)
       except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
         clearer = restate_spec_error(e, self._mesh_shape)
         if clearer is None:
@@ -376,8 +381,7 @@ class Partitioned:
         raise clearer from None
     out_tree, graph_out = out_store[-1]
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
-    requests = self._out_requests(out_tree, program,
-                                  self._output_types(flat_fun, avals, given, arrivals))
+    requests = self._out_requests(out_tree, program, types)
     outputs = self._output_specs(requests, out_tree, program)
     boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
     planner = Planner(program, self._mesh_shape, platform=self.mesh.devices.flat[0].platform,
@@ -495,29 +499,27 @@ class Partitioned:
              _broadcast_prefix(self.in_specs, dyn, "in_specs", "arguments"))
     return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
-  def _output_types(self, flat_fun: Callable, avals: tuple, given: tuple,
-                    arrivals: tuple) -> tuple[NamedSharding | None, ...] | None:
-    """On a mesh with Explicit axes, each output's sharding in JAX's sharding-in-types, the
-    arguments typed by their specs (else their committed shardings): what ``jax.jit`` returns
-    for arguments committed so. None where the mesh has no Explicit axis or JAX's typing
-    refuses the function (an ambiguous contraction, an uneven spec), which spmd partitions all
-    the same."""
+  def _trace_typed(self, flat_fun: Callable, avals: tuple, given: tuple,
+                   arrivals: tuple) -> Any:
+    """On a mesh with Explicit axes, the function's jaxpr as ``jax.jit`` traces it for arguments
+    committed as their specs say (else as they are committed): their types carry the
+    shardings, so ``jax.typeof`` inside, the shardings JAX infers into the ops' params and the
+    outputs' types are jax.jit's. None where the mesh has no Explicit axis or JAX's typing
+    refuses the function (contracting dims sharded alike without ``out_sharding=``, an uneven
+    spec): spmd then traces it untyped and partitions it all the same."""
     if AxisType.Explicit not in self.mesh.axis_types:
       return None
-    typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                  sharding=None if s is None else
-                                  NamedSharding(self.mesh, s.to_spec()))
-             for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
-      try:
-        outs = jax.eval_shape(flat_fun, *typed)
-      except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
-        return None
-    return tuple(NamedSharding(self.mesh, o.sharding.spec)
-                 if isinstance(o.sharding, NamedSharding) else None for o in outs)
+    try:
+      typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                    sharding=None if s is None else
+                                    NamedSharding(self.mesh, s.to_spec()))
+               for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
+      return jax.make_jaxpr(flat_fun)(*typed)
+    except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
+      return None
 
   def _out_requests(self, out_tree: Any, program: Any,
-                    types: tuple[NamedSharding | None, ...] | None
+                    types: tuple[NamedSharding, ...] | None
                     ) -> list[P | NamedSharding | None]:
     """Per output, its out_specs entry, else its type's sharding on an Explicit mesh (as
     ``jax.jit`` returns it); None: open."""

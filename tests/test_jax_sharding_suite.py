@@ -20,21 +20,12 @@ from helpers import (as_mesh, assert_like_jit, assert_partitioned_matches, asser
                      get_mesh, named, randn)
 
 CASES: list[Callable[[], None]] = []
-XFAIL: dict[str, str] = {}  # case name -> the precise cause (docs/ARCHITECTURE.md, Known gaps)
 
 
 def case(fn: Callable[[], None]) -> Callable[[], None]:
   """Registers a case: a function of no arguments that runs its checks."""
   CASES.append(fn)
   return fn
-
-
-def gap(reason: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-  """Registers a case that fails for a known gap (a strict xfail: it must fail)."""
-  def register(fn: Callable[[], None]) -> Callable[[], None]:
-    XFAIL[fn.__name__] = reason
-    return case(fn)
-  return register
 
 
 def explicit_mesh() -> jax.sharding.Mesh:
@@ -179,9 +170,10 @@ def explicit_axes_inside():
     check_jit(f, (X,), P(None, "b"), mesh, P("a", None))
 
 
-@gap("spmd traces the function on avals without shardings (its in_specs are specs, not types), "
-     "so jax.typeof(x).sharding inside reads x unsharded where jax.jit's reads its type")
+@case
 def explicit_typeof_sharding_inside():
+  """jax.typeof inside reads the argument's type, as under jax.jit: spmd traced on avals without
+  shardings, so this computed x * 3."""
   def f(x):
     return x * 2 if jax.typeof(x).sharding.spec[0] == "x" else x * 3
   check_explicit(f, (X,), (P("x", None),))
@@ -198,7 +190,6 @@ def nested_jit_with_shardings():
 
 
 @case
-@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def static_and_donate_argnames():
   """static_argnames / donate_argnames as jax.jit takes them (spmd.partition had neither), by
   position or by keyword (which jax.jit with in_shardings refuses); an unknown name is
@@ -468,8 +459,6 @@ def arguments_from_every_source():
                                  atol=1e-5)
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c.__name__])]
-                 if c.__name__ in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES, ids=[c.__name__ for c in CASES])
 def test_case(run: Callable[[], None]) -> None:
   run()
