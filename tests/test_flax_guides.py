@@ -116,3 +116,184 @@ def test_nnx_guide_create_sharded_model_then_train(mesh, names, batch):
   # Megatron: the row-split kernel's output all-reduced over "model", forward; the gradients'
   # partial sums over "data"
   assert {c.axes for c in plan.collectives} <= {("model",), ("data",)}
+
+
+# --- NNX transforms inside the step: scan with split rngs over remat'd blocks, train and eval ----
+
+class DropoutBlock(nnx.Module):
+  def __init__(self, dim: int, rngs: nnx.Rngs):
+    # no bias before the norm (its gradient is zero but for rounding, which Adam would scale up)
+    self.linear = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+    self.norm = nnx.BatchNorm(dim, momentum=0.9, rngs=rngs)
+    self.dropout = nnx.Dropout(0.2, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.dropout(nnx.gelu(self.norm(self.linear(x))))
+
+
+class ScannedDropoutNet(nnx.Module):
+  """The NNX transforms guide's stacked layers: created by ``nnx.vmap`` under ``split_rngs``,
+  applied by ``nnx.scan`` with the carry, each layer ``nnx.remat``'d, its dropout drawing from
+  the layer's own rng stream (split at creation, stacked); BatchNorm's statistics stacked per
+  layer."""
+
+  def __init__(self, layers: int, dim: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return DropoutBlock(dim, rngs)
+
+    self.blocks = create(rngs)
+    self.head = nnx.Linear(dim, 3, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def forward(x, block):
+      return nnx.remat(lambda block, x: block(x))(block, x)
+
+    return self.head(forward(x, self.blocks))
+
+
+def classify_step(model, optimizer, x, labels):
+  def loss_fn(model):
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+  (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  optimizer.update(model, grads)
+  return loss, logits
+
+
+def evaluate(model, x):
+  return model(x)
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_nnx_scan_remat_split_rngs_dropout_train_then_eval(mesh, batch):
+  """Train mode (dropout masks from the split streams, batch statistics), then
+  ``model.eval()``: dropout off, BatchNorm on its running averages, each example alone."""
+  def fresh():
+    model = ScannedDropoutNet(3, 16, nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  mesh = mesh_of(mesh)
+  batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 3) for s in range(3)]
+  plan, (model, _) = nnx_steps(classify_step, fresh, mesh, (None, None, P("data"), P("data")),
+                               batches)
+  assert {c.axes for c in plan.collectives} == {("data",)}  # gradients, statistics, the loss
+  model.eval()
+  x = randn(batch, 16, seed=7)
+  evaluate_partitioned = spmd.partition(evaluate, mesh=mesh, in_specs=(None, P("data")))
+  want = nnx.jit(evaluate)(model, x)
+  assert_trees_match(evaluate_partitioned(model, x), want, rtol=1e-4, atol=1e-5)
+  # each example alone: nothing moves but an uneven batch's logits, returned whole
+  assert {c.source for c in check_plan(evaluate_partitioned, model, x).collectives} <= {
+      "out_specs"}
+
+
+# --- nnx.vmap ensembles over StateAxes, nnx.cond / nnx.switch, nnx.fori_loop / while_loop ------
+
+class Ensemble(nnx.Module):
+  """The transforms guide's ensemble: members created by ``nnx.vmap`` over split rngs, run by
+  ``nnx.vmap`` with ``in_axes=(StateAxes({nnx.Param: 0, ...: None}), None)``; a refinement
+  picked by ``nnx.switch`` on a traced index, and one applied ``nnx.fori_loop`` times; a gate
+  by ``nnx.cond``."""
+
+  def __init__(self, members: int, dim: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=members)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return nnx.Linear(dim, dim, rngs=rngs)
+
+    self.members = create(rngs)
+    self.refine = nnx.List([nnx.Linear(dim, dim, rngs=rngs) for _ in range(3)])
+    self.scale = nnx.Param(jnp.ones((dim,)))
+
+  def __call__(self, x, choice):
+    axes = nnx.StateAxes({nnx.Param: 0, ...: None})
+
+    @nnx.vmap(in_axes=(axes, None), out_axes=0)
+    def members(member, x):
+      return member(x)
+
+    y = jnp.mean(members(self.members, x), axis=0)
+    branches = [lambda m, y, k=k: nnx.tanh(m.refine[k](y)) for k in range(3)]
+    y = nnx.switch(choice, branches, self, y)
+
+    def twice(i, carry):
+      model, y = carry
+      return model, y + 0.5 * model.refine[0](y)
+
+    _, y = nnx.fori_loop(0, 2, twice, (self, y))
+    return nnx.cond(jnp.mean(y) > 0, lambda m, y: y * m.scale[...], lambda m, y: -y, self, y)
+
+
+def ensemble_refined(model, x, choice):
+  """Inference: the ensemble's output halved by ``nnx.while_loop`` until within bounds."""
+  def halve(carry):
+    model, y = carry
+    return model, y * 0.5 * model.scale[...]
+
+  _, y = nnx.while_loop(lambda carry: jnp.max(jnp.abs(carry[1])) > 0.5, halve,
+                        (model, model(x, choice)))
+  return y
+
+
+def ensemble_step(model, optimizer, x, y, choice):
+  loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x, choice) - y) ** 2))(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("1x8", 8)])
+def test_nnx_vmap_ensemble_switch_cond_and_loops(mesh, batch):
+  def fresh():
+    model = Ensemble(4, 16, nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+  mesh = mesh_of(mesh)
+  batches = [(randn(batch, 16, seed=s), 3 * randn(batch, 16, seed=s + 10), jnp.int32(s))
+             for s in range(3)]
+  _, (model, _) = nnx_steps(ensemble_step, fresh, mesh, (None, None, P("data"), P("data"), P()),
+                            batches)
+  x, choice = 4 * randn(batch, 16, seed=5), jnp.int32(1)
+  want = nnx.jit(ensemble_refined)(model, x, choice)
+  assert float(jnp.max(jnp.abs(nnx.jit(Ensemble.__call__)(model, x, choice)))) > 1.0
+  refined = spmd.partition(ensemble_refined, mesh=mesh, in_specs=(None, P("data"), P()))
+  assert_trees_match(refined(model, x, choice), want, rtol=1e-4, atol=1e-5)
+  check_plan(refined, model, x, choice)
+
+
+# --- LoRA (flax's LoRA guide): only the nnx.LoRAParam variables trained, through DiffState -------
+
+class LoraMLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.LoRALinear(16, 32, lora_rank=2, rngs=rngs)
+    self.down = nnx.LoRALinear(32, 16, lora_rank=2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+def lora_step(model, optimizer, x, y):
+  def loss_fn(model):
+    prediction = model(x)
+    return jnp.mean((prediction - y) ** 2), prediction
+
+  grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam), has_aux=True)
+  (loss, _), grads = grad_fn(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 6)])
+def test_nnx_lora_trains_only_lora_params(mesh, batch):
+  def fresh():
+    model = LoraMLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+
+  batches = [(randn(batch, 16, seed=s), randn(batch, 16, seed=s + 10)) for s in range(3)]
+  _, (model, _) = nnx_steps(lora_step, fresh, mesh_of(mesh), (None, None, P("data"), P("data")),
+                            batches)
+  frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  assert_trees_match(nnx.state(model, frozen), nnx.state(LoraMLP(nnx.Rngs(0)), frozen))
