@@ -27,6 +27,7 @@ from spmd.partition.ir import build_program
 from spmd.partition.jax_compat import lowering_platform
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
+from spmd.partition.manual import restate_unbound_axis
 from spmd.partition.planner import Analysis, Boundary, Planner
 from spmd.partition.search import device_memory, search
 from spmd.partition.sharding import TensorSharding, mesh_text
@@ -367,7 +368,7 @@ class Partitioned:
       try:
         closed = jax.make_jaxpr(flat_fun)(*unsharded)
       except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
-        clearer = restate_spec_error(e, self._mesh_shape)
+        clearer = restate_spec_error(e, self._mesh_shape) or restate_unbound_axis(e)
         if clearer is None:
           raise
         raise clearer from None
