@@ -297,3 +297,141 @@ def test_nnx_lora_trains_only_lora_params(mesh, batch):
                             batches)
   frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
   assert_trees_match(nnx.state(model, frozen), nnx.state(LoraMLP(nnx.Rngs(0)), frozen))
+
+
+# --- linen BatchNorm written for pmap: axis_name= under spmd.partition ----------------------------
+
+class PmapStyleNet(nn.Module):
+  """A classifier whose BatchNorm averages its statistics over ``axis_name`` devices (pmap)."""
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=self.axis_name)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+def batchnorm_step(model, params, batch_stats, x, labels):
+  """A plain SGD step; with ``model.axis_name`` the pmap form, its gradients pmean'd."""
+  def loss_fn(params):
+    logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, x,
+                                  mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, updates["batch_stats"]
+
+  (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  if model.axis_name:
+    grads, loss = jax.lax.pmean((grads, loss), model.axis_name)
+  params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  return params, batch_stats, loss
+
+
+def test_linen_batchnorm_axis_name_written_for_pmap():
+  """What a user porting a pmap step expects. spmd.partition takes the function as written for
+  one device, which sees the whole batch: there ``axis_name="data"`` names no devices (as under
+  jax.jit), and the error says so and what to do. Without it, BatchNorm's statistics are the
+  whole batch's: the pmap step's values (its per-device statistics and gradients pmean'd), here
+  emulated by jax.vmap over the devices' batches. Kept, the pmap step runs as written inside a
+  jax.shard_map over the mesh."""
+  mesh, x, labels = mesh_of("2x4"), randn(8, 12), jnp.arange(8) % 3
+  variables = jax.jit(PmapStyleNet().init)(jax.random.key(0), x)
+  state = (variables["params"], variables["batch_stats"])
+  pmap_style = functools.partial(batchnorm_step, PmapStyleNet("data"))
+  with pytest.raises(NameError, match="outside a jax.shard_map.*drop the axis name"):
+    spmd.partition(pmap_style, mesh=mesh, in_specs=(None, None, P("data"), P("data")))(
+        *state, x, labels)
+
+  def devices(step):  # pmap over the 2 "data" devices, as jax.vmap
+    def run(params, batch_stats, x, labels):
+      out = jax.vmap(step, in_axes=(None, None, 0, 0), axis_name="data")(
+          params, batch_stats, x.reshape(2, -1, *x.shape[1:]), labels.reshape(2, -1))
+      return jax.tree.map(lambda leaf: leaf[0], out)
+    return run
+
+  batches = [(randn(8, 12, seed=s), labels) for s in range(3)]
+  whole_batch = functools.partial(batchnorm_step, PmapStyleNet())
+  train_loop(jax.jit(devices(pmap_style)),
+             spmd.partition(whole_batch, mesh=mesh, in_specs=(None, None, P("data"), P("data"))),
+             state, batches, rtol=1e-4, atol=1e-5)
+  # check_vma=False: pmap's semantics (with it, JAX sums the gradients of the replicated params
+  # over the devices itself, and the step's own pmean would count them twice)
+  in_shard_map = jax.shard_map(pmap_style, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                               out_specs=P(), check_vma=False)
+  train_loop(jax.jit(devices(pmap_style)),
+             spmd.partition(in_shard_map, mesh=mesh, in_specs=(None, None, P("data"), P("data"))),
+             state, batches, rtol=1e-4, atol=1e-5)
+
+
+# --- flax.nnx.bridge: a linen module inside an NNX model, an NNX module inside a linen model ------
+
+class LinenEncoder(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(32)(x)
+    x = nn.Dropout(0.1, deterministic=not train)(nn.relu(x))
+    return nn.LayerNorm()(x)
+
+
+class BridgedClassifier(nnx.Module):
+  """``nnx.bridge.ToNNX``: a linen encoder as an NNX submodule, initialised lazily."""
+
+  def __init__(self, x, rngs: nnx.Rngs):
+    self.encoder = nnx.bridge.ToNNX(LinenEncoder(), rngs=rngs)
+    nnx.bridge.lazy_init(self.encoder, x, train=False)
+    self.head = nnx.Linear(32, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.encoder(x, train=True))
+
+
+def test_nnx_bridge_to_nnx_linen_encoder_trained():
+  x = randn(8, 12)
+
+  def fresh():
+    model = BridgedClassifier(x, nnx.Rngs(params=0, dropout=1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  batches = [(randn(8, 12, seed=s), jnp.arange(8) % 3) for s in range(3)]
+  plan, _ = nnx_steps(classify_step, fresh, mesh_of("2x4"), (None, None, P("data"), P("data")),
+                      batches)
+  assert {c.axes for c in plan.collectives} == {("data",)}
+
+
+class NnxGatedUnit(nnx.Module):
+  def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+    self.gate = nnx.Linear(din, dout, rngs=rngs)
+    self.value = nnx.Linear(din, dout, rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.sigmoid(self.gate(x)) * self.value(x)
+
+
+class LinenWithNnx(nn.Module):
+  """``nnx.bridge.to_linen``: an NNX module as a linen submodule."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nnx.bridge.to_linen(NnxGatedUnit, 12, 24)(x)
+    return nn.Dense(3)(x)
+
+
+def test_linen_bridge_to_linen_nnx_unit_trained():
+  """On 1x8 with 6 examples: the batch stays whole, the hidden units split over "model"."""
+  model, tx = LinenWithNnx(), optax.adamw(1e-2)
+  x = randn(6, 12)
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+
+  def step(params, opt_state, x, labels):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  batches = [(randn(6, 12, seed=s), jnp.arange(6) % 3) for s in range(3)]
+  train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("1x8"),
+                                           in_specs=(None, None, P("data"), P("data"))),
+             (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
