@@ -435,3 +435,139 @@ def test_linen_bridge_to_linen_nnx_unit_trained():
   train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("1x8"),
                                            in_specs=(None, None, P("data"), P("data"))),
              (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+
+
+# --- optax around the model (flax's optimization cookbook): clipping, a schedule, weight decay on
+# kernels only, gradient accumulation, an EMA of the params ---------------------------------------
+
+class Regressor(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(32)(x))
+    return nn.Dense(4)(nn.LayerNorm()(x))
+
+
+def cookbook_optimizer() -> optax.GradientTransformation:
+  """Clip by global norm, AdamW on a warmup-cosine schedule whose weight decay reaches the kernels
+  only (``optax.multi_transform``; biases and norms by plain Adam), gradients accumulated over 2
+  steps (``optax.MultiSteps``)."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=8)
+  labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+      lambda path, _: "decay" if path[-1].key == "kernel" else "plain", params)
+  inner = optax.chain(optax.clip_by_global_norm(0.5), optax.multi_transform(
+      {"decay": optax.adamw(schedule, weight_decay=0.1), "plain": optax.adam(schedule)}, labels))
+  return optax.MultiSteps(inner, every_k_schedule=2)
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_optax_cookbook_chain_schedule_masked_decay_accumulation_and_ema(mesh, batch):
+  model, tx, ema = Regressor(), cookbook_optimizer(), optax.ema(0.9)
+  x = randn(batch, 12)
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+
+  def step(params, opt_state, ema_state, x, y):
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    _, ema_state = ema.update(params, ema_state)
+    return params, opt_state, ema_state, loss
+
+  batches = [(randn(batch, 12, seed=s), randn(batch, 4, seed=s + 10)) for s in range(4)]
+  state = (params, tx.init(params), ema.init(params))
+  plan = train_loop(jax.jit(step), spmd.partition(
+      step, mesh=mesh_of(mesh), in_specs=(None, None, None, P("data"), P("data"))),
+      state, batches, rtol=1e-4, atol=1e-5)
+  assert {c.axes for c in plan.collectives} == {("data",)}
+
+
+# --- linen lifted transforms: an nn.vmap ensemble, nn.scan over nn.remat'd layers with dropout,
+# nn.share_scope; boxed params (nn.Partitioned, logical names) placed by logical_to_mesh_sharding --
+
+# "model": nn.Partitioned's mesh-axis names go through logical_to_mesh_sharding as logical names
+# (flax leaves a name without a rule unsharded)
+LIFTED_RULES = (("batch", "data"), ("mlp", "model"), ("embed", None), ("layers", None),
+                ("members", None), ("model", "model"))
+
+
+class ScanLayer(nn.Module):
+  train: bool
+
+  @nn.compact
+  def __call__(self, x, _):
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    h = nn.relu(nn.Dense(32, kernel_init=init)(x))
+    h = nn.with_logical_constraint(h, ("batch", "mlp"))
+    h = nn.Dropout(0.1, deterministic=not self.train)(h)
+    out = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("mlp", "embed"))
+    return x + nn.Dense(16, kernel_init=out)(h), None
+
+
+class Member(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    kernel = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    return nn.tanh(nn.Dense(8, kernel_init=kernel)(x))
+
+
+class Trunk(nn.Module):
+  """Its params live in its parent's scope (``nn.share_scope``)."""
+
+  def setup(self):
+    self.stem = nn.Dense(16)
+
+  def __call__(self, x):
+    return self.stem(x)
+
+
+class LiftedNet(nn.Module):
+  train: bool = True
+
+  def setup(self):
+    self.trunk = Trunk()
+    nn.share_scope(self, self.trunk)
+    self.layers = nn.scan(nn.remat(ScanLayer), variable_axes={"params": 0},
+                          split_rngs={"params": True, "dropout": True}, length=3,
+                          metadata_params={nn.PARTITION_NAME: "layers"})(self.train)
+    self.ensemble = nn.vmap(Member, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=None, axis_size=4,
+                            metadata_params={nn.PARTITION_NAME: "members"})()
+    self.head = nn.Dense(3)
+
+  def __call__(self, x):
+    x, _ = self.layers(self.trunk(x), None)
+    return self.head(jnp.mean(self.ensemble(x), axis=0))
+
+
+def test_linen_lifted_transforms_boxed_params_logical_to_mesh_sharding():
+  """in_specs are NamedShardings from ``nn.logical_to_mesh_sharding(nn.get_partition_spec(...))``
+  (no rules= to spmd); the step runs in the user's ``nn.logical_axis_rules`` context, which
+  resolves the activations' ``with_logical_constraint``, as it does for jax.jit."""
+  model, tx, mesh = LiftedNet(), optax.adam(1e-2), mesh_of("2x4")
+  x = randn(8, 12)
+  variables = jax.jit(LiftedNet(train=False).init)(jax.random.key(0), x)
+  assert variables["params"]["stem"]["kernel"].shape == (12, 16)  # shared scope: no "trunk"
+  param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh,
+                                                LIFTED_RULES)["params"]
+  params = nn.unbox(variables)["params"]
+
+  def step(params, opt_state, x, labels, key):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, x, rngs={"dropout": key})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  batches = [(randn(8, 12, seed=s), jnp.arange(8) % 3, k)
+             for s, k in enumerate(jax.random.split(jax.random.key(1), 3))]
+  partitioned = spmd.partition(step, mesh=mesh,
+                               in_specs=(param_shardings, None, P("data"), P("data"), P()))
+  with nn.logical_axis_rules(LIFTED_RULES):
+    plan = train_loop(jax.jit(step), partitioned, (params, tx.init(params)), batches, rtol=1e-4,
+                      atol=1e-5)
+  layer = plan.in_specs[0]["layers"]["Dense_0"]["kernel"]
+  assert layer == P(None, None, "model")
+  assert plan.in_specs[0]["ensemble"]["Dense_0"]["kernel"] == P(None, None, "model")
+  assert plan.in_specs[1][0].mu["layers"]["Dense_0"]["kernel"] == layer  # the moments follow
