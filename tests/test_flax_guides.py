@@ -118,6 +118,25 @@ def test_nnx_guide_create_sharded_model_then_train(mesh, names, batch):
   assert {c.axes for c in plan.collectives} <= {("model",), ("data",)}
 
 
+def test_nnx_guide_eager_sharding_under_set_mesh():
+  """The guide's current form: the model and optimizer created under ``jax.set_mesh`` (flax
+  shards each variable as its metadata says, eagerly); the step's in_specs left open take the
+  committed shardings, as jax.jit does."""
+  mesh = mesh_of("2x4")
+
+  def fresh():
+    with jax.set_mesh(mesh):
+      model = DotReluDot(16, (None, "model"), nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+  batches = [(randn(8, 16, seed=s), randn(8, 16, seed=s + 10)) for s in range(2)]
+  plan, _ = nnx_steps(guide_train_step, fresh, mesh, (None, None, P("data"), P("data")), batches,
+                      rtol=1e-5, atol=1e-6)
+  specs = plan.in_specs[0]
+  assert specs[0]["w2"].get_value() == P("model", None)
+  assert specs[1]["opt_state"][0]["mu"]["dot1"]["kernel"].get_value() == P(None, "model")
+
+
 # --- NNX transforms inside the step: scan with split rngs over remat'd blocks, train and eval ----
 
 class DropoutBlock(nnx.Module):
