@@ -590,3 +590,31 @@ def test_linen_lifted_transforms_boxed_params_logical_to_mesh_sharding():
   assert layer == P(None, None, "model")
   assert plan.in_specs[0]["ensemble"]["Dense_0"]["kernel"] == P(None, None, "model")
   assert plan.in_specs[1][0].mu["layers"]["Dense_0"]["kernel"] == layer  # the moments follow
+
+
+# --- the optimizer's state sharded otherwise than the params (flax's guide): ZeRO-1 ------------------
+
+def test_nnx_optimizer_state_sharded_otherwise_than_params():
+  """Params replicated, Adam's moments split over "data" along their first dim (an nnx.State of
+  specs for the optimizer, ZeRO-1)."""
+  mesh = mesh_of("8x1")
+
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = DotReluDot(16, (None, None), nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  model, optimizer = fresh()
+  model_specs = jax.tree.map(lambda _: P(), nnx.state(model))
+  opt_specs = jax.tree.map(lambda x: P("data") if x.ndim else P(), nnx.state(optimizer))
+  batches = [(randn(8, 16, seed=s), randn(8, 16, seed=s + 10)) for s in range(2)]
+  plan, _ = nnx_steps(guide_train_step, fresh, mesh, (model_specs, opt_specs, P("data"),
+                                                      P("data")), batches, rtol=1e-5, atol=1e-6)
+  assert plan.in_specs[0][1]["opt_state"][0]["mu"]["w2"].get_value() == P("data", None)
+  # no gradient is all-reduced (the loss only): each device computes its moments' rows of the
+  # gradient (here from the output gradients gathered and the inputs all-to-all'd, 576 B a
+  # kernel, where a reduce-scatter of the partial sums would move 1 KiB), and the update is
+  # gathered into the replicated params
+  assert plan.bytes_by_kind()["all-reduce"] == 4, plan.explain()
+  updates = [c for c in plan.collectives if "apply_updates" in c.source]
+  assert {(c.kind, c.bytes) for c in updates} == {("all-gather", 1024)}, plan.explain()
