@@ -1,7 +1,8 @@
 """flax's documentation guides, a third round of flax patterns run through spmd.partition as their
 users write them: the NNX "Scale up on multiple devices" guide (a sharded model created by a
 function of no arguments, logical names under a rules context, NamedShardings from
-``nnx.get_named_sharding``), NNX transforms inside the step (remat, scan with split rngs, vmap
+``nnx.get_named_sharding``, eager sharding under ``jax.set_mesh``, the optimizer's state sharded
+otherwise than the params), NNX transforms inside the step (remat, scan with split rngs, vmap
 ensembles, cond / switch, fori_loop / while_loop, LoRA through ``DiffState``, train and eval
 modes), the NNX / linen bridge, optax around the model (clipping, schedules, gradient
 accumulation, masked weight decay, EMA), and linen's lifted transforms (vmap ensembles, scan over
