@@ -27,6 +27,7 @@ from spmd.partition.ir import build_program, names_mesh_axes
 from spmd.partition.jax_compat import lowering_platform
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
+from spmd.partition.manual import restate_unbound_axis
 from spmd.partition.planner import Analysis, Boundary, Planner
 from spmd.partition.search import device_memory, search
 from spmd.partition.sharding import TensorSharding, mesh_text
@@ -53,6 +54,8 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   ``rules``: flax-style ``logical_axis_rules``, ``(logical_name, mesh_axes)`` pairs. A spec entry
   that is not a mesh axis is a logical name, resolved through them (in in_specs, out_specs, box
   names and annotations; flax's ``nn.with_logical_constraint`` inside ``fun`` resolves too).
+  None: the rules of the flax context the call is made in (``nn.logical_axis_rules``), as
+  ``jax.jit`` of a flax function resolves them.
 
   ``backend="spmd"`` (default) emits one ``jax.jit(jax.shard_map(...))`` program in which every
   collective is one spmd chose (the plan lists them exactly); ``backend="xla"`` jits the program
@@ -201,12 +204,19 @@ class Partitioned:
     self.auto, self.memory_limit = auto, memory_limit
     self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
     self._mesh_shape = mesh_shape(mesh)
-    self._rules = AxisRules.of(rules, mesh.axis_names)
+    self._given_rules = None if rules is None else AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
     self._dispatch: dict[Any, _Compiled] = {}  # by argument structure, avals, shardings
     self._steady: dict[Any, _Steady] = {}  # by argument structure and static values
     self._graph_calls: dict[Any, Partitioned] = {}
     functools.update_wrapper(self, fun)
+
+  @property
+  def _rules(self) -> AxisRules:
+    """``rules=`` as given, else the rules of the flax context the call is made in."""
+    if self._given_rules is not None:
+      return self._given_rules
+    return AxisRules.ambient(self.mesh.axis_names)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     args = self._positional(args, kwargs)  # NNX modules passed by keyword are updated too
@@ -216,6 +226,8 @@ class Partitioned:
       sys.modules["flax.nnx"].update(nodes, state)  # the modules' updates, as nnx.jit does
       return out
     structure, leaves = _structure(args, self.static_argnums)
+    if structure is not None:
+      structure = (structure, self._rules.rules)
     steady = self._steady.get(structure) if structure is not None else None
     if steady is not None:
       out = steady.call(leaves)
@@ -301,11 +313,15 @@ class Partitioned:
       raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {len(dynamic)} "
                        "non-static arguments")
     spec_of = dict(zip(dynamic, given))
-    state_specs = type(state)({k: spec_of[i] for k, i in zip(state.keys(), positions)})
+    # a module's spec given as an nnx.State (nnx.get_partition_spec / get_named_sharding of
+    # nnx.state(model)) is held as the joint state holds each module's: its nested mapping
+    state_specs = type(state)({k: _raw_state(nnx, spec_of[i])
+                               for k, i in zip(state.keys(), positions)})
     in_specs = (state_specs, *(spec_of[i] for i in dynamic if i not in positions))
     static = tuple(1 + sum(1 for j in range(i) if j not in positions) for i in sorted(kept))
+    rules = None if self._given_rules is None else self._given_rules.rules
     return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, (),
-                       self.backend, self._rules.rules, self.auto, self.memory_limit)
+                       self.backend, rules, self.auto, self.memory_limit)
 
   # --- tracing and caching -------------------------------------------------------------------
 
@@ -337,7 +353,7 @@ class Partitioned:
     arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
                                     f"the sharding of argument {name}")
                      for leaf, aval, name in zip(leaves, avals, leaf_names))
-    key = (in_tree, avals, statics, given, arrivals)
+    key = (in_tree, avals, statics, given, arrivals, self._rules.rules)
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
                 for name, spec in zip(leaf_names, requested)]
@@ -375,7 +391,7 @@ class Partitioned:
         if closed is None:
           closed = jax.make_jaxpr(flat_fun)(*unsharded)
       except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
-        clearer = restate_spec_error(e, self._mesh_shape)
+        clearer = restate_spec_error(e, self._mesh_shape) or restate_unbound_axis(e)
         if clearer is None:
           raise
         raise clearer from None
@@ -650,6 +666,12 @@ def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | Na
   for spec, sub in zip(spec_leaves, subtrees):
     out.extend([spec] * len(jax.tree_util.tree_leaves(sub)))
   return out
+
+
+def _raw_state(nnx: Any, spec: Any) -> Any:
+  """``spec`` as a joint ``nnx.State`` holds a module's state: an ``nnx.State`` by its nested
+  mapping (a State inside a State would be a pytree node of its own), anything else as it is."""
+  return spec.raw_mapping if isinstance(spec, nnx.State) else spec
 
 
 def _graph_node_positions(args: tuple) -> tuple[int, ...]:

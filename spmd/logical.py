@@ -29,7 +29,10 @@ class AxisRules:
   mesh_axes: tuple[str, ...]
 
   @classmethod
-  def of(cls, rules: Sequence[tuple[str, Any]] | None, mesh_axes: Sequence[str]) -> AxisRules:
+  def of(cls, rules: Sequence[tuple[str, Any]] | None, mesh_axes: Sequence[str],
+         *, check_axes: bool = True) -> AxisRules:
+    """``rules`` checked; ``check_axes``: a rule naming a mesh axis not in the mesh is an error
+    (not for a flax context's rules, which may name the axes of other meshes)."""
     if rules is None:
       return cls((), tuple(mesh_axes))
     out = []
@@ -38,7 +41,7 @@ class AxisRules:
         raise TypeError(f"spmd.partition: rules must be (logical_name, mesh_axes) pairs, as "
                         f"flax's logical_axis_rules, got {rule!r}")
       unknown = [a for a in _names(rule[1]) if a not in mesh_axes]
-      if unknown:
+      if unknown and check_axes:
         raise ValueError(f"spmd.partition: rule {tuple(rule)!r} names mesh axis {unknown[0]!r}, "
                          f"which is not in the mesh (axes: {', '.join(mesh_axes)})")
       out.append((rule[0], tuple(rule[1]) if isinstance(rule[1], list) else rule[1]))
@@ -64,6 +67,12 @@ class AxisRules:
     free = tuple((name, axes) for name, axes in self.rules if not set(_names(axes)) & taken)
     mesh = logical_to_mesh_axes(logical, free)
     return P(*(m if name is not None else e for e, name, m in zip(entries, logical, mesh)))
+
+  @classmethod
+  def ambient(cls, mesh_axes: Sequence[str]) -> AxisRules:
+    """The rules of the flax context in effect (``nn.logical_axis_rules`` /
+    ``nnx.logical_axis_rules``), as ``jax.jit`` of a flax model resolves logical names."""
+    return cls.of(flax_spmd.get_logical_axis_rules(), mesh_axes, check_axes=False)
 
   def context(self) -> Any:
     """Flax's rules context, so ``nn.with_logical_constraint`` inside the model resolves."""

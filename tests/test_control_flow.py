@@ -159,3 +159,19 @@ def test_loop_carry_annotated_otherwise_than_its_reader_wants():
     return lax.cond(y.sum() > 0, lambda a: spmd.annotate(a * 2, P(None, "b")), lambda a: a, y)
 
   assert_partitioned_matches(fn, (randn(8, 16),), P("b", None), MESH)
+
+
+def test_gradient_of_a_cond_whose_branches_make_different_residuals():
+  """JAX fills the residual of sin, made only by the first branch, with an ``empty2`` scalar
+  in the second (broadcast to the residual's shape), which had no rule and ran replicated."""
+  def grads(x, w):
+    def loss(w):
+      y = lax.cond(x.sum() > 0, lambda w: jnp.sin(x @ w), lambda w: x @ w, w)
+      return jnp.sum(y ** 2)
+
+    return jax.grad(loss)(w)
+
+  for sign in (1, -1):
+    x = sign * jnp.abs(randn(8, 16, seed=1))
+    assert_partitioned_matches(grads, (x, randn(16, 4, seed=2)), (P("x"), P()), "x8",
+                               reference=jax.jit(grads), rtol=1e-4, atol=1e-5)

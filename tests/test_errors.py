@@ -155,3 +155,16 @@ def test_a_partly_manual_shard_map_inside_is_refused_with_the_reason(mesh):
                      match=r"test_errors.py:\d+.*axis_names=\['data'\] leaves mesh axes model "
                            "automatic"):
     g(jnp.ones((8, 8)))
+
+
+def test_a_pmap_style_collective_says_what_it_means_here(mesh):
+  """``lax.pmean(x, "data")`` outside any shard_map (a step written for pmap, flax's
+  ``BatchNorm(axis_name=...)``): JAX's unbound-axis error, restated with the site and the two
+  ways out. A NameError of Python's own (an undefined variable) is left as it is."""
+  f = spmd.partition(lambda x: jax.lax.pmean(x, "data").sum(), mesh=mesh, in_specs=P("data"))
+  with pytest.raises(NameError, match=r"a collective over a named axis at test_errors.py:\d+ "
+                                      r".*outside a jax.shard_map.*drop the axis name"):
+    f(jnp.ones(8))
+  g = spmd.partition(lambda x: x + undefined_name, mesh=mesh)  # noqa: F821
+  with pytest.raises(NameError, match="name 'undefined_name' is not defined"):
+    g(jnp.ones(8))

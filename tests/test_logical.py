@@ -131,7 +131,43 @@ def test_named_sharding_leaves(mesh, setup):
     g.plan(params, x)
 
 
+def test_rules_of_the_flax_context_the_call_is_made_in(mesh, setup):
+  """Without rules=, logical names resolve by the flax context in effect at the call
+  (nn.logical_axis_rules), as under jax.jit: spmd traced under an empty context of its own,
+  which hid the user's rules from nn.with_logical_constraint and get_partition_spec inside."""
+  model, variables, x = setup
+  g = spmd.partition(model.apply, mesh=mesh, in_specs=(None, P("batch", None)))
+  with nn.logical_axis_rules(RULES):
+    plan = g.plan(variables, x)
+    np.testing.assert_allclose(g(variables, x), model.apply(variables, x), rtol=1e-5, atol=1e-5)
+  assert plan.in_specs[1] == P("data", None)
+  assert plan.in_specs[0]["params"]["Dense_1"]["kernel"].value == P("model", None)
+  constrained = [r.specs for r in plan.rows if r.primitive == "sharding_constraint"]
+  assert ("P('data', 'model')",) in constrained, plan.explain()  # the hidden layer's
+  with nn.logical_axis_rules((("batch", "data"), ("embed", None), ("mlp", None))):
+    assert g.plan(variables, x).in_specs[0]["params"]["Dense_1"]["kernel"].value == P(None, None)
+  with pytest.raises(ValueError, match="'embed', which is not in the mesh"):
+    g.plan(variables, x)  # outside any context: the names have no rule
+
+
 # --- NNX modules as arguments, as under nnx.jit -------------------------------------------------
+
+def test_nnx_module_spec_given_as_an_nnx_state(mesh):
+  """A module's in_specs entry as flax's guide makes it, nnx.get_named_sharding (or
+  get_partition_spec) of nnx.state(model): an nnx.State, refused as not matching the module's
+  state (a State node inside the joint state, where the joint state holds nested dicts)."""
+  from flax import nnx
+
+  model = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+  nnx.update(model, {"kernel": jax.device_put(model.kernel[...],
+                                               NamedSharding(mesh, P(None, "model")))})
+  specs = nnx.get_named_sharding(nnx.state(model), mesh)
+  specs["kernel"] = specs["kernel"].replace(NamedSharding(mesh, P(None, "model")))
+  f = spmd.partition(lambda m, x: m(x), mesh=mesh, in_specs=(specs, P("data", None)))
+  x = jnp.ones((8, 16))
+  np.testing.assert_allclose(f(model, x), model(x), rtol=1e-5, atol=1e-5)
+  assert f.plan(model, x).in_specs[0][0]["kernel"].get_value() == P(None, "model")
+
 
 def test_nnx_modules_updated_in_place_as_under_nnx_jit(mesh):
   from flax import nnx

@@ -112,6 +112,14 @@ _JAX_DIR = os.path.dirname(jax.__file__)
 _SPEC_CHECKS = os.path.join("jax", "_src", "named_sharding.py")  # where JAX validates specs
 
 
+def user_site(e: Exception) -> str:
+  """" at file:line (function)" of the innermost frame of ``e`` outside JAX, or ""."""
+  user = [f for f in traceback.extract_tb(e.__traceback__)
+          if not f.filename.startswith(_JAX_DIR)]
+  return (f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} ({user[-1].name})"
+          if user else "")
+
+
 def restate_spec_error(e: Exception, mesh: Mapping[str, int]) -> ValueError | None:
   """JAX's check of a spec asked for inside the traced function (``with_sharding_constraint``
   naming a mesh axis the mesh lacks, or one axis twice), restated with where it was asked, the
@@ -119,10 +127,7 @@ def restate_spec_error(e: Exception, mesh: Mapping[str, int]) -> ValueError | No
   frames = traceback.extract_tb(e.__traceback__)
   if not any(f.filename.endswith(_SPEC_CHECKS) for f in frames):
     return None
-  user = [f for f in frames if not f.filename.startswith(_JAX_DIR)]
-  site = (f" at {os.path.basename(user[-1].filename)}:{user[-1].lineno} ({user[-1].name})"
-          if user else "")
-  return ValueError(f"spmd.partition: the sharding asked for{site} does not fit the mesh "
+  return ValueError(f"spmd.partition: the sharding asked for{user_site(e)} does not fit the mesh "
                     f"({mesh_text(mesh)}): {e} Name only the mesh's axes, each at most once; "
                     "logical names resolve through rules= in spmd.annotate or flax's "
                     "nn.with_logical_constraint")

@@ -50,7 +50,7 @@ REPLICATED: dict[str, str] = {
        ppermute_start ppermute_done psum_start psum_done psum_invariant_start reduce_scatter_start
        reduce_scatter_done unreduced_psum_start unreduced_reduce_scatter_start""".split()},
     **{n: INTERNAL for n in """custom_lin remat_opt stage tie dce_sink
-       unreachable empty empty2""".split()},
+       unreachable empty""".split()},
     **{n: REF for n in "new_ref empty_ref free_ref freeze accum_grad_in_ref".split()},
     "create_token": "a token holds no array data",
     "after_all": "a token holds no array data",
@@ -163,6 +163,9 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("squeeze",), PrimitiveInfo(shape.squeeze, ADDITIVE_IN_FIRST)),
       (("expand_dims",), PrimitiveInfo(shape.expand_dims, ADDITIVE_IN_FIRST)),
       (("iota",), PrimitiveInfo(shape.iota, local=local.iota)),
+      # a scalar of no operands: the placeholder a cond branch gives a residual only another
+      # branch makes, left in a cond's gradient (whole on every device, as a scalar always is)
+      (("empty2",), PrimitiveInfo(ew)),
       # reductions and scans along an axis
       (("reduce_sum",), PrimitiveInfo(reduce.reduction("sum"), ADDITIVE_IN_FIRST)),
       (("reduce_max", "reduce_or"), PrimitiveInfo(reduce.reduction("max"))),

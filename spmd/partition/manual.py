@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from spmd.partition.annotation import user_site
 from spmd.partition.ir import Value, source_line
 from spmd.partition.jax_compat import check_vma, open_jaxpr, unvaried, varying_axes, vary
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
@@ -27,6 +28,21 @@ from spmd.partition.wire import Wire
 if TYPE_CHECKING:
   from spmd.partition.ir import Op
   from spmd.partition.local import Local
+
+
+def restate_unbound_axis(e: Exception) -> NameError | None:
+  """JAX's refusal of a collective over a named axis outside any ``shard_map`` (a pmap-style
+  ``lax.pmean(x, "batch")``, ``nn.BatchNorm(axis_name=...)``), restated with what it means here;
+  None for any other error. The function is partitioned as written for one device, which sees
+  whole arrays: such a collective has no devices' values to combine."""
+  if not isinstance(e, NameError) or e.name is not None:  # Python's own names a variable
+    return None
+  return NameError(
+      f"spmd.partition: a collective over a named axis{user_site(e)} outside a jax.shard_map "
+      f"({e}). spmd.partition takes the function as written for one device, which sees whole "
+      "arrays: drop the axis name (flax's BatchNorm(axis_name=...) then takes its statistics "
+      "over the whole batch, which is what its mean over devices computed under pmap), or run "
+      "that part inside a jax.shard_map over the mesh")
 
 # The body's collectives, by primitive: the HLO collective each lowers to, and whether its bytes
 # are its result's (an all-gather's grows) rather than its operand's.
