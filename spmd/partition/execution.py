@@ -44,6 +44,16 @@ class Execution:
     return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                  for a in self.factor_axes[f])
 
+  def gather_bytes(self, mesh: MeshShape, wire: Wire) -> int:
+    """Per-device bytes of the all-gather of an op's per-shard partial results, which it
+    reduces again itself (``rule.gathers``: a variadic reduce, argmax); 0 for other ops."""
+    rule = self.constraint.rule
+    if not rule.gathers or not self.partial_axes:
+      return 0
+    result = self.constraint.results[0]
+    elements = math.prod(self.produces[0].local_shape(result.shape, mesh))
+    return elements * _count(self.partial_axes, mesh) * sum(wire(d) for d in rule.gathers)
+
   def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
     bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
@@ -116,9 +126,10 @@ class ExecutionPlanner:
                                       ("reductions", True), ("larger", True)))]
     if len(options) == 1:
       return [(options[0], 0)]
-    return [(ex, sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
-                     for v, made in zip(c.results, ex.produces)
-                     if made is not None and made != shardings[v]))
+    return [(ex, ex.gather_bytes(self.mesh, self.wire)
+             + sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
+                   for v, made in zip(c.results, ex.produces)
+                   if made is not None and made != shardings[v]))
             for ex in options]
 
 
@@ -128,9 +139,10 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
                 for v, tf in zip(c.operands, rule.operands))
   partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                   for a in axes[f])
+  pending = () if rule.gathers else partial  # such an op combines its partial results itself
   produces = tuple(None if v is None or tf is None else
-                   TensorSharding(_sharding(tf, axes).dims, partial,
-                                  rule.combiner if partial else "sum")
+                   TensorSharding(_sharding(tf, axes).dims, pending,
+                                  rule.combiner if pending else "sum")
                    for v, tf in zip(c.results, rule.results))
   halos = tuple(h for w in rule.windows if axes[w.factor]
                 for h in _halos(w, axes[w.factor], mesh))

@@ -212,6 +212,40 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
   return run
 
 
+def variadic_reduce(local: Local, args: list) -> list:
+  """Along sharded reduced dims (padding masked with the init values, uneven.py): each shard is
+  reduced, the per-shard results all-gathered and reduced again with the op's computation."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  inits = args[len(args) // 2:]
+  partials = _gather_partials(local, bind(local.op, args))
+  return bind(local.op, partials + inits, dimensions=(0,))
+
+
+def arg_reduce(local: Local, args: list) -> list:
+  """argmax / argmin along a sharded dim (padding masked, uneven.py): each shard's best value
+  and its global index are all-gathered; the result is the first index of the best value (of a
+  NaN, as JAX's argmax takes NaN as the largest)."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  x, (axis,) = args[0], local.op.params["axes"]
+  (index,) = bind(local.op, args)
+  value = jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis), axis)
+  index = index + local.offset(local.reads[0], axis, x.shape[axis]).astype(index.dtype)
+  values, indices = _gather_partials(local, [value, index])
+  best = (jnp.min if local.op.primitive == "argmin" else jnp.max)(values, axis=0)
+  first = (values == best) | (values != values)
+  return [jnp.min(jnp.where(first, indices, jnp.iinfo(indices.dtype).max), axis=0)]
+
+
+def _gather_partials(local: Local, partials: list) -> list:
+  """Each device's partial results stacked along a new leading dim over the sharded reduction
+  factors' axes (the all-gather ``Execution.gather_bytes`` prices)."""
+  axes = local.partial_axes
+  name = axes if len(axes) > 1 else axes[0]
+  return [lax.all_gather(p, name, axis=0) for p in partials]
+
+
 def dynamic_slice(local: Local, args: list) -> list:
   return bind(local.op, args, slice_sizes=local.out_shape())
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from spmd.partition.halo_geometry import Window
 
@@ -32,6 +32,10 @@ class OpShardingRule:
   linear_in: tuple[int, ...] = ()  # operands a pending partial sum may flow through (rules/linear)
   additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
   windows: tuple[WindowedDim, ...] = ()  # geometry of the HALO factors
+  # An op that combines the partial results of its sharded reduction factors itself (a variadic
+  # reduce, argmax): the dtypes of the per-shard partial results it all-gathers over those
+  # factors' axes (each of its results' local shape) and reduces again; its results are whole.
+  gathers: tuple[Any, ...] = ()
 
   @property
   def num_factors(self) -> int:
@@ -86,10 +90,10 @@ class RuleBuilder:
 
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
-            combiner: str = "sum") -> OpShardingRule:
+            combiner: str = "sum", gathers: tuple[Any, ...] = ()) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
-                          windows=tuple(self.windows))
+                          windows=tuple(self.windows), gathers=gathers)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

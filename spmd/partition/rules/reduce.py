@@ -1,7 +1,9 @@
 """Reductions and scans along an axis.
 
-Sums, max, min, and, or combine partial results across devices (an all-reduce); prod, xor and
-argmax/argmin need the whole reduced dim on one device, and so do cumulative ops along their axis.
+Sums, max, min, and, or combine partial results across devices (an all-reduce); argmax/argmin
+and the variadic reduce reduce each shard, all-gather the per-shard results and reduce them again
+(XLA's tuple reduce); prod and xor need the whole reduced dim on one device, and so do cumulative
+ops along their axis.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 def reduction(combiner: str | None) -> Callable[[Op], OpShardingRule]:
   """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``
-  ("sum", "max" or "min"), or, with None, the reduced axis must be whole (prod, xor, argmax)."""
+  ("sum", "max" or "min"), or, with None, the reduced axis must be whole (prod, xor)."""
   kind = FactorKind.REDUCTION if combiner else FactorKind.NEED_REPLICATION
 
   def rule(op: Op) -> OpShardingRule:
@@ -29,16 +31,37 @@ def reduction(combiner: str | None) -> Callable[[Op], OpShardingRule]:
   return rule
 
 
+def arg_reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """argmax (``combiner`` "max") or argmin ("min"): each shard's best value and its index are
+  all-gathered over a sharded reduced dim and the best of them taken (padding masked with the
+  ``combiner``'s identity)."""
+
+  def rule(op: Op) -> OpShardingRule:
+    x = op.inputs[0].aval
+    axes = {a % len(x.shape) for a in op.params["axes"]}
+    b = RuleBuilder()
+    operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
+               for d, n in enumerate(x.shape)]
+    result = [f for d, f in enumerate(operand) if d not in axes]
+    return b.build([operand], [result], combiner=combiner,
+                   gathers=(x.dtype, jnp.dtype(op.params["index_dtype"])))
+
+  return rule
+
+
 def variadic_reduce(op: Op) -> OpShardingRule:
-  """The generic ``reduce`` (any computation, several operands): reduced dims are whole."""
+  """The generic ``reduce`` (any computation, several operands): each shard is reduced, the
+  per-shard results all-gathered over a sharded reduced dim and reduced again (padding masked
+  with the init values, ``combiner`` "init")."""
   shape = op.inputs[0].aval.shape
   axes = set(op.params["dimensions"])
   b = RuleBuilder()
-  operand = [b.factor(n, FactorKind.NEED_REPLICATION if d in axes else FactorKind.PASS)
+  operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
              for d, n in enumerate(shape)]
   result = [f for d, f in enumerate(operand) if d not in axes]
   arrays = len(op.inputs) // 2
-  return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs))
+  return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs),
+                 combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs))
 
 
 def cumulative(op: Op) -> OpShardingRule:
