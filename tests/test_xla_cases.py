@@ -672,6 +672,15 @@ def argmax_nan_and_inf_uneven():  # argmax takes the first NaN; a row of -inf ke
 
 
 @case
+def argmax_one_row_per_shard():  # argmax where each shard holds one row of the reduced dim
+  # gathering the dim (128 B) moves less than gathering each shard's value and index (256 B,
+  # XLA's figure): both are priced
+  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(8, 4),), P("x"), "x8")
+  assert plan.total_bytes == 128 <= xla_bytes(lambda x: jnp.argmax(x, axis=0), (randn(8, 4),),
+                                              P("x"), "x8")
+
+
+@case
 def argmax_flattened_bf16():  # argmax over a reshaped 2-D tile, bf16
   no_more_than_xla(lambda x: jnp.argmax(x.reshape(-1)), (randn(8, 8, dtype=BF16),), P("a", "b"),
                    "a2b4")

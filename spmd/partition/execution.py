@@ -120,10 +120,13 @@ class ExecutionPlanner:
     """Each distinct execution, with the bytes that reshard its results to their shardings."""
     from_results = _projections(c.results, c.rule.results, shardings, c.rule, self.mesh)
     from_operands = _projections(c.operands, c.rule.operands, shardings, c.rule, self.mesh)
-    options = [_execute(c, axes, self.mesh) for axes in dict.fromkeys(
+    choices = dict.fromkeys(
         _factor_axes(c, from_results, from_operands, self.mesh, first, operands_first)
         for first, operands_first in (("reductions", False), ("others", False),
-                                      ("reductions", True), ("larger", True)))]
+                                      ("reductions", True), ("larger", True)))
+    if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
+      choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
+    options = [_execute(c, axes, self.mesh) for axes in choices]
     if len(options) == 1:
       return [(options[0], 0)]
     return [(ex, ex.gather_bytes(self.mesh, self.wire)
@@ -194,6 +197,10 @@ def _factor_axes(c: Constraint, from_results: _Projected, from_operands: _Projec
     if final[w.factor] and _halos(w, final[w.factor], mesh) is None:
       final[w.factor] = ()
   return tuple(final)
+
+
+def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule) -> tuple[Axes, ...]:
+  return tuple(() if k is FactorKind.REDUCTION else a for a, k in zip(axes, rule.kinds))
 
 
 def _count(axes: Axes, mesh: MeshShape) -> int:
