@@ -779,7 +779,56 @@ def sort_sharded_non_sort_dims_3d():  # SortShardedOnNonSortDims on a 3-D mesh
 
 @case
 def partition_sort_in_top_k():  # PartitionSortInTopK (top-k along the sharded dim)
-  check(lambda x: lax.top_k(x, 3), (randn(6, 40),), P("a", "b"), "a2b4")
+  no_more_than_xla(lambda x: lax.top_k(x, 3), (randn(6, 40),), P("a", "b"), "a2b4")
+
+
+@case
+def sort_along_partitioned_dimension():  # SortShardedOnSortDim (moved to a free dim)
+  # b moves to dim 0 by an all-to-all (64 B) and the result keeps that form; gathering dim 1
+  # moved 256 B, and XLA moves it back after sorting (128 B)
+  plan = check(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
+  assert plan.total_bytes == 64
+
+
+@case
+def sort_along_partitioned_dimension_out_spec():  # SortShardedOnSortDim, result resharded back
+  no_more_than_xla(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4",
+                   out_specs=P("a", "b"))
+
+
+@case
+def sort_along_partitioned_dimension_1d_mesh():  # SortShardedOnSortDim, all of a 1-D mesh
+  no_more_than_xla(lambda x: jnp.sort(x, axis=0), (randn(16, 8),), P("x"), "x8")
+
+
+@case
+def sort_no_free_dimension():  # SortShardedOnSortDim where no other dim splits evenly
+  no_more_than_xla(lambda x: jnp.sort(x, axis=2), (randn(4, 6, 8),), P("a", None, "b"), "a2b4")
+  no_more_than_xla(lambda x: jnp.sort(x, axis=1), (randn(7, 8),), P(None, "x"), "x8")
+
+
+@case
+def argsort_along_partitioned_dimension():  # SortShardedOnSortDim, (key, iota) operands
+  no_more_than_xla(lambda x: jnp.argsort(x, axis=0), (randn(16, 8),), P("a"), "a2b4")
+
+
+@case
+def sort_two_operands_one_key():  # SortShardedOnSortDim with num_keys=1 over two operands
+  no_more_than_xla(lambda x, y: lax.sort((x, y), dimension=1, num_keys=1),
+                   (randn(16, 8), ints(16, 8)), (P("a", "b"), P("a", "b")), "a2b4")
+
+
+@case
+def top_k_along_partitioned_dimension():  # PartitionSortInTopK on a 1-D mesh, bf16
+  no_more_than_xla(lambda x: lax.top_k(x, 3), (randn(8, 40, dtype=BF16),), P(None, "x"), "x8")
+
+
+@case
+def cumulative_along_partitioned_dimension():  # cumsum/cumprod/cummax as reduce-window scans
+  no_more_than_xla(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  no_more_than_xla(lambda x: jnp.cumprod(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
+  no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(4, 16),), P(None, "x"),
+                   "x4")
 
 
 # --- Control flow --------------------------------------------------------------------------------

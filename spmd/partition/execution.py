@@ -126,6 +126,9 @@ class ExecutionPlanner:
                                       ("reductions", True), ("larger", True)))
     if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
       choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
+    if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
+      choices.update(dict.fromkeys(moved for axes in list(choices)
+                                   for moved in _relocations(axes, c.rule, from_operands)))
     options = [_execute(c, axes, self.mesh) for axes in choices]
     if len(options) == 1:
       return [(options[0], 0)]
@@ -201,6 +204,21 @@ def _factor_axes(c: Constraint, from_results: _Projected, from_operands: _Projec
 
 def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule) -> tuple[Axes, ...]:
   return tuple(() if k is FactorKind.REDUCTION else a for a, k in zip(axes, rule.kinds))
+
+
+def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,
+                 from_operands: _Projected) -> list[tuple[Axes, ...]]:
+  """``axes`` with the operands' axes of the need-replication factors appended to one pass
+  factor, for each pass factor (an all-to-all moves them there before the op)."""
+  taken = {a for factor in axes for a in factor}
+  moved: tuple[str, ...] = ()
+  for f, kind in enumerate(rule.kinds):
+    if kind is FactorKind.NEED_REPLICATION and f in from_operands:
+      moved += prefix_without(_agreed(from_operands[f]), taken | set(moved))
+  if not moved:
+    return []
+  return [tuple(a + moved if g == f else a for g, a in enumerate(axes))
+          for f, kind in enumerate(rule.kinds) if kind is FactorKind.PASS]
 
 
 def _count(axes: Axes, mesh: MeshShape) -> int:

@@ -343,7 +343,26 @@ class _Engine:
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
+    if rule.relocatable:
+      self._relocate(rule, candidates, merged, used)
     return merged
+
+  def _relocate(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
+                merged: dict[int, tuple[Axes, _Candidate]], used: set[str]) -> None:
+    """The axes of a need-replication factor go to the first pass factor they split evenly (the
+    op's result takes the form XLA's partitioner sorts in: the axes moved by an all-to-all)."""
+    for f, cands in candidates.items():
+      best = min((x for x in cands if x.axes), key=_Candidate.priority, default=None)
+      if rule.kinds[f] is not FactorKind.NEED_REPLICATION or best is None:
+        continue
+      moved = prefix_without(best.axes, used)
+      for g, kind in enumerate(rule.kinds):
+        have, source = merged.get(g, ((), best))
+        if moved and kind is FactorKind.PASS and rule.sizes[g] % math.prod(
+            self.mesh[a] for a in have + moved) == 0:
+          merged[g] = (have + moved, source)
+          used.update(moved)
+          break
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],

@@ -36,6 +36,9 @@ class OpShardingRule:
   # reduce, argmax): the dtypes of the per-shard partial results it all-gathers over those
   # factors' axes (each of its results' local shape) and reduces again; its results are whole.
   gathers: tuple[Any, ...] = ()
+  # The axes of a need-replication factor may move to a pass factor instead (an all-to-all before
+  # the op), as XLA sorts along a sharded dim; every tensor holding one holds every pass factor.
+  relocatable: bool = False
 
   @property
   def num_factors(self) -> int:
@@ -90,10 +93,11 @@ class RuleBuilder:
 
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
-            combiner: str = "sum", gathers: tuple[Any, ...] = ()) -> OpShardingRule:
+            combiner: str = "sum", gathers: tuple[Any, ...] = (),
+            relocatable: bool = False) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
-                          windows=tuple(self.windows), gathers=gathers)
+                          windows=tuple(self.windows), gathers=gathers, relocatable=relocatable)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

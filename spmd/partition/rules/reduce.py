@@ -69,7 +69,7 @@ def cumulative(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["axis"] else FactorKind.PASS)
           for d, n in enumerate(shape)]
-  return b.build([dims], [dims])
+  return b.build([dims], [dims], relocatable=True)
 
 
 def identity(combiner: str, dtype: Any) -> Any:
