@@ -824,10 +824,32 @@ def top_k_along_partitioned_dimension():  # PartitionSortInTopK on a 1-D mesh, b
 
 
 @case
-def cumulative_along_partitioned_dimension():  # cumsum/cumprod/cummax as reduce-window scans
-  no_more_than_xla(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8")
+def cumulative_along_partitioned_dimension():  # cumsum/cumprod/cummax (XLA: gathered scans)
+  # the axis moves to the other dim by an all-to-all (64 B); XLA gathers the dim (512 B)
+  plan = check(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  assert plan.total_bytes == 64
   no_more_than_xla(lambda x: jnp.cumprod(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
   no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(4, 16),), P(None, "x"),
+                   "x4")
+
+
+@case
+def cumulative_local_scan_and_shard_totals():  # cumsum of a 1-D array: no other dim to take x
+  # each shard scans its block and adds the totals of the shards before it: an all-gather of
+  # one f32 per shard (32 B); XLA gathers the array (256 B)
+  plan = check(lambda x: jnp.cumsum(x), (randn(64),), P("x"), "x8")
+  assert plan.total_bytes == 32
+  no_more_than_xla(lambda x: lax.cumsum(x, reverse=True), (randn(61),), P("x"), "x8")
+
+
+@case
+def cumulative_totals_uneven_and_transposed():  # uneven blocks, dims over ("b", "a")
+  no_more_than_xla(lambda x: lax.cummin(x, axis=0), (randn(19, 3),), P("x"), "x8")
+  no_more_than_xla(lambda x: jnp.cumprod(x, axis=0), (1 + 0.01 * randn(19, 3),), P(("b", "a")),
+                   "a2b4")
+  no_more_than_xla(lambda x: lax.cumlogsumexp(x, axis=0, reverse=True), (randn(13, 3),),
+                   P(("b", "a")), "a2b4")
+  no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(3, 21),), P(None, "x"),
                    "x4")
 
 

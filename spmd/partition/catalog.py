@@ -16,8 +16,8 @@ from jax.extend.core import Primitive
 from spmd.partition import local, manual
 from spmd.partition.annotation import annotate_p, annotate_request, constraint_request
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
-from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Inline, Linearity,
-                                      Manual, PrimitiveInfo)
+from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
+                                      Linearity, Manual, PrimitiveInfo)
 from spmd.partition.roll import roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
@@ -127,6 +127,11 @@ LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu 
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
 
 
+def _cumulative(combiner: str, linear: Linearity = NONLINEAR) -> PrimitiveInfo:
+  """A scan along an axis combining with ``combiner`` (rules.reduce.cumulative)."""
+  return PrimitiveInfo(reduce.cumulative(combiner), linear, local.cumulative(combiner))
+
+
 def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
   """(names, record) of every family, by JAX primitive name."""
   ew = elementwise.elementwise
@@ -164,8 +169,11 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("argmax",), PrimitiveInfo(reduce.arg_reduction("max"), local=local.arg_reduce)),
       (("argmin",), PrimitiveInfo(reduce.arg_reduction("min"), local=local.arg_reduce)),
       (("reduce",), PrimitiveInfo(reduce.variadic_reduce, local=local.variadic_reduce)),
-      (("cumsum",), PrimitiveInfo(reduce.cumulative, ADDITIVE_IN_FIRST)),
-      (("cumprod", "cummax", "cummin", "cumlogsumexp"), PrimitiveInfo(reduce.cumulative)),
+      (("cumsum",), _cumulative("sum", ADDITIVE_IN_FIRST)),
+      (("cumprod",), _cumulative("prod")),
+      (("cummax",), _cumulative("max")),
+      (("cummin",), _cumulative("min")),
+      (("cumlogsumexp",), _cumulative("logaddexp")),
       (("sort",), PrimitiveInfo(sort.sort)),
       (("top_k",), PrimitiveInfo(sort.top_k)),
       # contractions

@@ -50,8 +50,10 @@ class Execution:
     rule = self.constraint.rule
     if not rule.gathers or not self.partial_axes:
       return 0
-    result = self.constraint.results[0]
-    elements = math.prod(self.produces[0].local_shape(result.shape, mesh))
+    result, factors = self.constraint.results[0], rule.results[0]
+    elements = math.prod(n for n, dim in zip(self.produces[0].local_shape(result.shape, mesh),
+                                             factors)  # a cumulative op gathers its totals
+                         if not any(rule.kinds[f] is FactorKind.REDUCTION for f in dim))
     return elements * _count(self.partial_axes, mesh) * sum(wire(d) for d in rule.gathers)
 
   def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
@@ -208,12 +210,14 @@ def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule) -> tuple[A
 
 def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,
                  from_operands: _Projected) -> list[tuple[Axes, ...]]:
-  """``axes`` with the operands' axes of the need-replication factors appended to one pass
-  factor, for each pass factor (an all-to-all moves them there before the op)."""
+  """``axes`` with the operands' axes of the factors the op needs whole or combines itself
+  appended to one pass factor, for each pass factor (an all-to-all moves them there first)."""
+  whole = [f for f in range(rule.num_factors) if rule.whole_or_combined(f)]
+  axes = tuple(() if f in whole else a for f, a in enumerate(axes))
   taken = {a for factor in axes for a in factor}
   moved: tuple[str, ...] = ()
-  for f, kind in enumerate(rule.kinds):
-    if kind is FactorKind.NEED_REPLICATION and f in from_operands:
+  for f in whole:
+    if f in from_operands:
       moved += prefix_without(_agreed(from_operands[f]), taken | set(moved))
   if not moved:
     return []

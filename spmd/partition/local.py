@@ -238,6 +238,33 @@ def arg_reduce(local: Local, args: list) -> list:
   return [jnp.min(jnp.where(first, indices, jnp.iinfo(indices.dtype).max), axis=0)]
 
 
+_COMBINE = {"sum": (jnp.add, jnp.sum), "prod": (jnp.multiply, jnp.prod),
+            "max": (jnp.maximum, jnp.max), "min": (jnp.minimum, jnp.min),
+            "logaddexp": (jnp.logaddexp, jax.nn.logsumexp)}
+
+
+def cumulative(combiner: str) -> Callable[[Local, list], list]:
+  """A scan combining with ``combiner`` along a sharded axis (padding masked, uneven.py): each
+  shard scans its block, the shards' totals are all-gathered and each shard combines its block
+  with the totals of the shards before it (after it, for a reverse scan)."""
+  pair, reduce = _COMBINE[combiner]
+
+  def run(local: Local, args: list) -> list:
+    if not local.partial_axes:
+      return bind(local.op, args)
+    axis, reverse = local.op.params["axis"], local.op.params["reverse"]
+    (scan,) = bind(local.op, args)
+    total = lax.index_in_dim(scan, 0 if reverse else scan.shape[axis] - 1, axis, keepdims=False)
+    (totals,) = _gather_partials(local, [total])
+    shards = lax.broadcasted_iota(jnp.int32, totals.shape, 0)
+    me = shard_index(local.partial_axes)
+    before = (shards > me) if reverse else (shards < me)
+    prefix = reduce(jnp.where(before, totals, identity(combiner, totals.dtype)), axis=0)
+    return [pair(scan, jnp.expand_dims(prefix, axis)).astype(scan.dtype)]
+
+  return run
+
+
 def _gather_partials(local: Local, partials: list) -> list:
   """Each device's partial results stacked along a new leading dim over the sharded reduction
   factors' axes (the all-gather ``Execution.gather_bytes`` prices)."""

@@ -36,8 +36,9 @@ class OpShardingRule:
   # reduce, argmax): the dtypes of the per-shard partial results it all-gathers over those
   # factors' axes (each of its results' local shape) and reduces again; its results are whole.
   gathers: tuple[Any, ...] = ()
-  # The axes of a need-replication factor may move to a pass factor instead (an all-to-all before
-  # the op), as XLA sorts along a sharded dim; every tensor holding one holds every pass factor.
+  # The axes of a factor the op needs whole (or combines itself) may move to a pass factor instead
+  # (an all-to-all before the op), as XLA sorts along a sharded dim; every tensor holding such a
+  # factor holds every pass factor.
   relocatable: bool = False
 
   @property
@@ -46,6 +47,13 @@ class OpShardingRule:
 
   def tensors(self) -> tuple[TensorFactors | None, ...]:
     return self.operands + self.results
+
+  def whole_or_combined(self, f: int) -> bool:
+    """Factor ``f`` is one whose axes a relocatable rule may move to a pass factor: one the op
+    needs whole, or a reduction whose partial results it combines itself (``gathers``)."""
+    kind = self.kinds[f]
+    return kind is FactorKind.NEED_REPLICATION or (kind is FactorKind.REDUCTION
+                                                   and bool(self.gathers))
 
   def result_factors(self) -> set[int]:
     return {f for t in self.results if t for dim in t for f in dim}

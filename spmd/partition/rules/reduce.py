@@ -2,8 +2,8 @@
 
 Sums, max, min, and, or combine partial results across devices (an all-reduce); argmax/argmin
 and the variadic reduce reduce each shard, all-gather the per-shard results and reduce them again
-(XLA's tuple reduce); prod and xor need the whole reduced dim on one device, and so do cumulative
-ops along their axis.
+(XLA's tuple reduce), and cumulative ops combine each shard's scan with the totals of the shards
+before it; prod and xor need the whole reduced dim on one device.
 """
 from __future__ import annotations
 
@@ -64,12 +64,20 @@ def variadic_reduce(op: Op) -> OpShardingRule:
                  combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs))
 
 
-def cumulative(op: Op) -> OpShardingRule:
-  shape = op.inputs[0].aval.shape
-  b = RuleBuilder()
-  dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["axis"] else FactorKind.PASS)
-          for d, n in enumerate(shape)]
-  return b.build([dims], [dims], relocatable=True)
+def cumulative(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """cumsum ("sum"), cumprod ("prod"), cummax, cummin, cumlogsumexp ("logaddexp"): along a
+  sharded axis each shard scans its block, the shards' totals are all-gathered and each shard
+  combines its block with the totals of the shards before it; or the axis's mesh axes move to
+  another dim first (relocatable)."""
+
+  def rule(op: Op) -> OpShardingRule:
+    x = op.inputs[0].aval
+    b = RuleBuilder()
+    dims = [b.factor(n, FactorKind.REDUCTION if d == op.params["axis"] else FactorKind.PASS)
+            for d, n in enumerate(x.shape)]
+    return b.build([dims], [dims], combiner=combiner, gathers=(x.dtype,), relocatable=True)
+
+  return rule
 
 
 def identity(combiner: str, dtype: Any) -> Any:
@@ -77,6 +85,10 @@ def identity(combiner: str, dtype: Any) -> Any:
   dtype = jnp.dtype(dtype)
   if combiner == "sum":
     return jnp.zeros((), dtype)
+  if combiner == "prod":
+    return jnp.ones((), dtype)
+  if combiner == "logaddexp":
+    return jnp.asarray(-jnp.inf, dtype)
   if dtype == jnp.bool_:
     return jnp.asarray(combiner == "min")
   big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
