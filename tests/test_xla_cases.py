@@ -672,12 +672,20 @@ def argmax_nan_and_inf_uneven():  # argmax takes the first NaN; a row of -inf ke
 
 
 @case
-def argmax_one_row_per_shard():  # argmax where each shard holds one row of the reduced dim
-  # gathering the dim (128 B) moves less than gathering each shard's value and index (256 B,
-  # XLA's figure): both are priced
-  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(8, 4),), P("x"), "x8")
-  assert plan.total_bytes == 128 <= xla_bytes(lambda x: jnp.argmax(x, axis=0), (randn(8, 4),),
-                                              P("x"), "x8")
+def argmax_one_row_per_shard():  # argmax where each shard holds one element of the reduced dim
+  # gathering the array (32 B) moves less than gathering each shard's value and index (64 B):
+  # both are priced
+  plan = check(lambda x: jnp.argmax(x), (randn(8),), P("x"), "x8")
+  assert plan.total_bytes == 32 <= xla_bytes(lambda x: jnp.argmax(x), (randn(8),), P("x"), "x8")
+
+
+@case
+def argmax_moved_to_free_dimension():  # TiledToTiledTupleReduce, the reduced dim's axis moved
+  # x moves to dim 1 by an all-to-all (64 B) and each device takes the argmax of its columns;
+  # XLA gathers each shard's (value, index) (512 B)
+  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  assert plan.total_bytes == 64
+  no_more_than_xla(lambda x: argmax_reduce(x, 1), (randn(16, 8),), P(None, "x"), "x8")
 
 
 @case

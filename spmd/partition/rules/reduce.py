@@ -44,7 +44,7 @@ def arg_reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
                for d, n in enumerate(x.shape)]
     result = [f for d, f in enumerate(operand) if d not in axes]
     return b.build([operand], [result], combiner=combiner,
-                   gathers=(x.dtype, jnp.dtype(op.params["index_dtype"])))
+                   gathers=(x.dtype, jnp.dtype(op.params["index_dtype"])), relocatable=True)
 
   return rule
 
@@ -61,7 +61,8 @@ def variadic_reduce(op: Op) -> OpShardingRule:
   result = [f for d, f in enumerate(operand) if d not in axes]
   arrays = len(op.inputs) // 2
   return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs),
-                 combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs))
+                 combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs),
+                 relocatable=True)
 
 
 def cumulative(combiner: str) -> Callable[[Op], OpShardingRule]:
