@@ -689,6 +689,18 @@ def argmax_moved_to_free_dimension():  # TiledToTiledTupleReduce, the reduced di
 
 
 @case
+def reduce_prod_and_xor_sharded():  # TiledToTiledReduce with multiply / xor computations
+  # XLA all-reduces a product (f32[16,8] P('x') along dim 0: 32 B), which no JAX collective
+  # does: x moves to dim 1 by an all-to-all (64 B; gathering dim 0 moved 512 B), or each
+  # shard's products are all-gathered and multiplied (f32[61]: 32 B, was 256 B)
+  assert check(lambda x: jnp.prod(x, axis=0), (randn(16, 8),), P("x"), "x8").total_bytes == 64
+  assert check(lambda x: jnp.prod(x), (1 + 0.01 * randn(61),), P("x"), "x8").total_bytes == 32
+  check(lambda x: jnp.prod(x, axis=(0, 1)), (ints(4, 8, high=2),), P("a", "b"), "a2b4")
+  xor = lambda x: lax.reduce_xor_p.bind(x, axes=(0,))  # noqa: E731
+  assert check(xor, (ints(19, 3),), P("x"), "x8").total_bytes == 96
+
+
+@case
 def argmax_flattened_bf16():  # argmax over a reshaped 2-D tile, bf16
   no_more_than_xla(lambda x: jnp.argmax(x.reshape(-1)), (randn(8, 8, dtype=BF16),), P("a", "b"),
                    "a2b4")

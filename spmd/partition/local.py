@@ -222,6 +222,14 @@ def variadic_reduce(local: Local, args: list) -> list:
   return bind(local.op, partials + inits, dimensions=(0,))
 
 
+def reduce_again(local: Local, args: list) -> list:
+  """reduce_prod / reduce_xor along sharded dims (padding masked with 1 / 0, uneven.py): each
+  shard is reduced, the per-shard results all-gathered and reduced again."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  return bind(local.op, _gather_partials(local, bind(local.op, args)), axes=(0,))
+
+
 def arg_reduce(local: Local, args: list) -> list:
   """argmax / argmin along a sharded dim (padding masked, uneven.py): each shard's best value
   and its global index are all-gathered; the result is the first index of the best value (of a

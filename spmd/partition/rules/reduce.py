@@ -2,8 +2,8 @@
 
 Sums, max, min, and, or combine partial results across devices (an all-reduce); argmax/argmin
 and the variadic reduce reduce each shard, all-gather the per-shard results and reduce them again
-(XLA's tuple reduce), and cumulative ops combine each shard's scan with the totals of the shards
-before it; prod and xor need the whole reduced dim on one device.
+(XLA's tuple reduce), and so do prod and xor; cumulative ops combine each shard's scan with the
+totals of the shards before it.
 """
 from __future__ import annotations
 
@@ -14,19 +14,22 @@ import jax.numpy as jnp
 from spmd.partition.ir import Op
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
-def reduction(combiner: str | None) -> Callable[[Op], OpShardingRule]:
-  """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``
-  ("sum", "max" or "min"), or, with None, the reduced axis must be whole (prod, xor)."""
-  kind = FactorKind.REDUCTION if combiner else FactorKind.NEED_REPLICATION
+def reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``:
+  "sum", "max" or "min" by an all-reduce later, "prod" or "xor" (which no JAX collective
+  combines) by the op itself, all-gathering them and reducing again (or its axes moved to
+  another dim first: relocatable)."""
+  itself = combiner in ("prod", "xor")
 
   def rule(op: Op) -> OpShardingRule:
     shape = op.inputs[0].aval.shape
     axes = {a % len(shape) for a in op.params["axes"]}
     b = RuleBuilder()
-    operand = [b.factor(n, kind if d in axes else FactorKind.PASS) for d, n in enumerate(shape)]
+    operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
+               for d, n in enumerate(shape)]
     result = [f for d, f in enumerate(operand) if d not in axes]
-    return b.build([operand] * len(op.inputs), [result] * len(op.outputs),
-                   combiner=combiner or "sum")
+    return b.build([operand] * len(op.inputs), [result] * len(op.outputs), combiner=combiner,
+                   gathers=(op.outputs[0].aval.dtype,) if itself else (), relocatable=itself)
 
   return rule
 
@@ -84,7 +87,7 @@ def cumulative(combiner: str) -> Callable[[Op], OpShardingRule]:
 def identity(combiner: str, dtype: Any) -> Any:
   """The value that leaves a ``combiner`` reduction unchanged."""
   dtype = jnp.dtype(dtype)
-  if combiner == "sum":
+  if combiner in ("sum", "xor"):
     return jnp.zeros((), dtype)
   if combiner == "prod":
     return jnp.ones((), dtype)
