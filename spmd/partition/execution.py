@@ -46,7 +46,8 @@ class Execution:
 
   def gather_bytes(self, mesh: MeshShape, wire: Wire) -> int:
     """Per-device bytes of the all-gather of an op's per-shard partial results, which it
-    reduces again itself (``rule.gathers``: a variadic reduce, argmax); 0 for other ops."""
+    combines itself (``rule.gathers``: a variadic reduce, argmax, prod; a cumulative op's
+    totals); 0 for other ops."""
     rule = self.constraint.rule
     if not rule.gathers or not self.partial_axes:
       return 0

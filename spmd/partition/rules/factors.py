@@ -33,8 +33,9 @@ class OpShardingRule:
   additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
   windows: tuple[WindowedDim, ...] = ()  # geometry of the HALO factors
   # An op that combines the partial results of its sharded reduction factors itself (a variadic
-  # reduce, argmax): the dtypes of the per-shard partial results it all-gathers over those
-  # factors' axes (each of its results' local shape) and reduces again; its results are whole.
+  # reduce, argmax, prod; a cumulative op's totals): the dtypes of the per-shard partial results
+  # it all-gathers over those factors' axes (its first result's local shape without the
+  # reduction factors' dims) and combines; its results are whole.
   gathers: tuple[Any, ...] = ()
   # The axes of a factor the op needs whole (or combines itself) may move to a pass factor instead
   # (an all-to-all before the op), as XLA sorts along a sharded dim; every tensor holding such a
