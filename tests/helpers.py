@@ -176,6 +176,33 @@ def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
   assert planned == compiled, f"plan {dict(planned)} != compiled {dict(compiled)}\n{plan.explain()}"
 
 
+def xla_bytes(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
+              out_specs: Any = None) -> int:
+  """Per-device bytes of the collectives XLA's own partitioner compiles for ``fn`` given the
+  same specs as ``jax.jit``'s in/out shardings (an argument split unevenly, which ``jax.jit``
+  cannot take, arrives replicated and is constrained to its spec first: a local slice)."""
+  mesh = as_mesh(mesh)
+  specs = (in_specs,) if is_spec(in_specs) else tuple(in_specs)
+  even = [s is None or _divides(s, np.shape(a), mesh) for a, s in zip(args, specs)]
+
+  def constrained(*xs: Any) -> Any:
+    return fn(*(x if ok else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
+                for x, s, ok in zip(xs, specs, even)))
+
+  jitted = jax.jit(constrained, out_shardings=named(mesh, out_specs), in_shardings=tuple(
+      named(mesh, s) if ok else None for s, ok in zip(specs, even)))
+  return sum(c.bytes for c in collectives(jitted.lower(*args).compile().as_text()))
+
+
+def _divides(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
+  """Every dim of ``shape`` splits evenly over the mesh axes ``spec`` names for it."""
+  for n, axes in zip(shape, spec):
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    if n % int(np.prod([mesh.shape[a] for a in axes])):
+      return False
+  return True
+
+
 def missing_rules(plan: spmd.Plan) -> list[str]:
   """The plan's warnings about primitives without a sharding rule."""
   return [w for w in plan.warnings if "has no sharding rule" in w]

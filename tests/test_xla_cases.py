@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
-from helpers import get_mesh, randn
+from helpers import get_mesh, randn, xla_bytes
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 # XLA's weight-gradient form f01b_i01o->01bf: lhs (C, H, W, N), rhs (I, H, W, O), out (H, W, N, C)
@@ -32,6 +32,12 @@ def case(fn: Callable[[], None]) -> Callable[[], None]:
   """Registers a case: a function of no arguments that runs its checks."""
   CASES.append(fn)
   return fn
+
+
+def no_more_than_xla(fn: Callable, args: tuple, in_specs, mesh: str, out_specs=None) -> None:
+  """``check``, and the plan moves no more bytes per device than XLA's own partitioner."""
+  plan = check(fn, args, in_specs, mesh, out_specs=out_specs)
+  assert plan.total_bytes <= xla_bytes(fn, args, in_specs, mesh, out_specs), plan.explain()
 
 
 def ints(*shape: int, seed: int = 0, high: int = 100) -> np.ndarray:
@@ -51,6 +57,28 @@ def argmax_reduce(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     take_a = (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
     return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
   return lax.reduce((x, idx), (jnp.array(-jnp.inf, x.dtype), jnp.int32(0)), pick, (axis,))
+
+
+def argmax_2d_reduce(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A variadic reduce of three operands over both dims: the maximum and its (row, column)."""
+  rows, cols = (lax.broadcasted_iota(jnp.int32, x.shape, d) for d in (0, 1))
+
+  def pick(a, b):
+    first = (a[1] < b[1]) | ((a[1] == b[1]) & (a[2] < b[2]))
+    take_a = (a[0] > b[0]) | ((a[0] == b[0]) & first)
+    return tuple(jnp.where(take_a, u, v) for u, v in zip(a, b))
+  return lax.reduce((x, rows, cols), (jnp.array(-jnp.inf, x.dtype), jnp.int32(0), jnp.int32(0)),
+                    pick, (0, 1))
+
+
+def argmin_int_reduce(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A variadic (value, index) reduce of int32 along dim 1, keeping the minimum."""
+  idx = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+
+  def pick(a, b):
+    take_a = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+    return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
+  return lax.reduce((x, idx), (jnp.int32(2**31 - 1), jnp.int32(0)), pick, (1,))
 
 
 def max_pool_grad(window, strides, padding):
@@ -589,7 +617,93 @@ def tiled_to_tiled_tuple_reduce():  # TiledToTiledTupleReduce (argmax as a varia
 
 @case
 def tiled_to_partially_tiled_tuple_reduce():  # TiledToPartiallyTiledTupleReduce
-  check(lambda x: argmax_reduce(x, 1), (randn(28, 12),), P("a", "b"), "a2b4", out_specs=P("a"))
+  # each shard reduced, the per-shard (value, index) all-gathered over b and reduced again:
+  # 448 B per device, XLA's figure (gathering dim 1 whole moved 672 B)
+  plan = check(lambda x: argmax_reduce(x, 1), (randn(28, 12),), P("a", "b"), "a2b4",
+               out_specs=P("a"))
+  assert plan.total_bytes == 448
+
+
+@case
+def tuple_reduce_three_operands_both_dims_uneven():  # TiledToTiledTupleReduce, 2-D tiles
+  no_more_than_xla(argmax_2d_reduce, (randn(9, 11),), P("a", "b"), "a2b4")
+
+
+@case
+def tuple_reduce_bf16_transposed_axes():  # TiledToTiledTupleReduce, bf16, device order 1,0
+  no_more_than_xla(argmax_2d_reduce, (randn(6, 10, dtype=BF16),), P("b", "a"), "a2b4")
+
+
+@case
+def tuple_reduce_two_axes_one_dim_uneven():  # TiledToTiledTupleReduce, dim over ("a", "b")
+  no_more_than_xla(lambda x: argmax_reduce(x, 1), (randn(5, 13),), P(None, ("a", "b")), "a2b4")
+
+
+@case
+def tuple_reduce_int32_min():  # TiledToPartiallyTiledTupleReduce with an int32 min comparator
+  no_more_than_xla(argmin_int_reduce, (ints(6, 30),), P("a", "b"), "a2b4")
+
+
+@case
+def tuple_reduce_bool_or_and_sum_uneven():  # a variadic reduce of a bool and an f32 operand
+  def f(b, x):
+    return lax.reduce((b, x), (False, jnp.float32(0)), lambda p, q: (p[0] | q[0], p[1] + q[1]),
+                      (0,))
+  no_more_than_xla(f, (randn(21, 4) > 0.5, randn(21, 4, seed=1)), (P("x"), P("x")), "x8")
+
+
+@case
+def argmin_int32_sharded():  # argmin (an argmin primitive: value and index reduced together)
+  no_more_than_xla(lambda x: jnp.argmin(x, axis=1), (ints(6, 30),), P(None, "x"), "x8")
+
+
+@case
+def argmax_bool_2d_mesh():  # argmax of bool along a dim sharded on the mesh's minor axis
+  no_more_than_xla(lambda x: jnp.argmax(x, axis=1), (randn(6, 30) > 1,), P("a", "b"), "a2b4")
+
+
+@case
+def argmax_nan_and_inf_uneven():  # argmax takes the first NaN; a row of -inf keeps index 0
+  x = randn(5, 19)
+  x[1, 3] = x[1, 17] = np.nan
+  x[2, :] = -np.inf
+  no_more_than_xla(lambda x: jnp.argmax(x, axis=1), (x,), P(None, "x"), "x8")
+  no_more_than_xla(lambda x: jnp.argmin(x, axis=1), (x,), P(None, "x"), "x4")
+
+
+@case
+def argmax_one_row_per_shard():  # argmax where each shard holds one element of the reduced dim
+  # gathering the array (32 B) moves less than gathering each shard's value and index (64 B):
+  # both are priced
+  plan = check(lambda x: jnp.argmax(x), (randn(8),), P("x"), "x8")
+  assert plan.total_bytes == 32 <= xla_bytes(lambda x: jnp.argmax(x), (randn(8),), P("x"), "x8")
+
+
+@case
+def argmax_moved_to_free_dimension():  # TiledToTiledTupleReduce, the reduced dim's axis moved
+  # x moves to dim 1 by an all-to-all (64 B) and each device takes the argmax of its columns;
+  # XLA gathers each shard's (value, index) (512 B)
+  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  assert plan.total_bytes == 64
+  no_more_than_xla(lambda x: argmax_reduce(x, 1), (randn(16, 8),), P(None, "x"), "x8")
+
+
+@case
+def reduce_prod_and_xor_sharded():  # TiledToTiledReduce with multiply / xor computations
+  # XLA all-reduces a product (f32[16,8] P('x') along dim 0: 32 B), which no JAX collective
+  # does: x moves to dim 1 by an all-to-all (64 B; gathering dim 0 moved 512 B), or each
+  # shard's products are all-gathered and multiplied (f32[61]: 32 B, was 256 B)
+  assert check(lambda x: jnp.prod(x, axis=0), (randn(16, 8),), P("x"), "x8").total_bytes == 64
+  assert check(lambda x: jnp.prod(x), (1 + 0.01 * randn(61),), P("x"), "x8").total_bytes == 32
+  check(lambda x: jnp.prod(x, axis=(0, 1)), (ints(4, 8, high=2),), P("a", "b"), "a2b4")
+  xor = lambda x: lax.reduce_xor_p.bind(x, axes=(0,))  # noqa: E731
+  assert check(xor, (ints(19, 3),), P("x"), "x8").total_bytes == 96
+
+
+@case
+def argmax_flattened_bf16():  # argmax over a reshaped 2-D tile, bf16
+  no_more_than_xla(lambda x: jnp.argmax(x.reshape(-1)), (randn(8, 8, dtype=BF16),), P("a", "b"),
+                   "a2b4")
 
 
 @case
@@ -685,7 +799,78 @@ def sort_sharded_non_sort_dims_3d():  # SortShardedOnNonSortDims on a 3-D mesh
 
 @case
 def partition_sort_in_top_k():  # PartitionSortInTopK (top-k along the sharded dim)
-  check(lambda x: lax.top_k(x, 3), (randn(6, 40),), P("a", "b"), "a2b4")
+  no_more_than_xla(lambda x: lax.top_k(x, 3), (randn(6, 40),), P("a", "b"), "a2b4")
+
+
+@case
+def sort_along_partitioned_dimension():  # SortShardedOnSortDim (moved to a free dim)
+  # b moves to dim 0 by an all-to-all (64 B) and the result keeps that form; gathering dim 1
+  # moved 256 B, and XLA moves it back after sorting (128 B)
+  plan = check(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
+  assert plan.total_bytes == 64
+
+
+@case
+def sort_along_partitioned_dimension_out_spec():  # SortShardedOnSortDim, result resharded back
+  no_more_than_xla(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4",
+                   out_specs=P("a", "b"))
+
+
+@case
+def sort_along_partitioned_dimension_1d_mesh():  # SortShardedOnSortDim, all of a 1-D mesh
+  no_more_than_xla(lambda x: jnp.sort(x, axis=0), (randn(16, 8),), P("x"), "x8")
+
+
+@case
+def sort_no_free_dimension():  # SortShardedOnSortDim where no other dim splits evenly
+  no_more_than_xla(lambda x: jnp.sort(x, axis=2), (randn(4, 6, 8),), P("a", None, "b"), "a2b4")
+  no_more_than_xla(lambda x: jnp.sort(x, axis=1), (randn(7, 8),), P(None, "x"), "x8")
+
+
+@case
+def argsort_along_partitioned_dimension():  # SortShardedOnSortDim, (key, iota) operands
+  no_more_than_xla(lambda x: jnp.argsort(x, axis=0), (randn(16, 8),), P("a"), "a2b4")
+
+
+@case
+def sort_two_operands_one_key():  # SortShardedOnSortDim with num_keys=1 over two operands
+  no_more_than_xla(lambda x, y: lax.sort((x, y), dimension=1, num_keys=1),
+                   (randn(16, 8), ints(16, 8)), (P("a", "b"), P("a", "b")), "a2b4")
+
+
+@case
+def top_k_along_partitioned_dimension():  # PartitionSortInTopK on a 1-D mesh, bf16
+  no_more_than_xla(lambda x: lax.top_k(x, 3), (randn(8, 40, dtype=BF16),), P(None, "x"), "x8")
+
+
+@case
+def cumulative_along_partitioned_dimension():  # cumsum/cumprod/cummax (XLA: gathered scans)
+  # the axis moves to the other dim by an all-to-all (64 B); XLA gathers the dim (512 B)
+  plan = check(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  assert plan.total_bytes == 64
+  no_more_than_xla(lambda x: jnp.cumprod(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
+  no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(4, 16),), P(None, "x"),
+                   "x4")
+
+
+@case
+def cumulative_local_scan_and_shard_totals():  # cumsum of a 1-D array: no other dim to take x
+  # each shard scans its block and adds the totals of the shards before it: an all-gather of
+  # one f32 per shard (32 B); XLA gathers the array (256 B)
+  plan = check(lambda x: jnp.cumsum(x), (randn(64),), P("x"), "x8")
+  assert plan.total_bytes == 32
+  no_more_than_xla(lambda x: lax.cumsum(x, reverse=True), (randn(61),), P("x"), "x8")
+
+
+@case
+def cumulative_totals_uneven_and_transposed():  # uneven blocks, dims over ("b", "a")
+  no_more_than_xla(lambda x: lax.cummin(x, axis=0), (randn(19, 3),), P("x"), "x8")
+  no_more_than_xla(lambda x: jnp.cumprod(x, axis=0), (1 + 0.01 * randn(19, 3),), P(("b", "a")),
+                   "a2b4")
+  no_more_than_xla(lambda x: lax.cumlogsumexp(x, axis=0, reverse=True), (randn(13, 3),),
+                   P(("b", "a")), "a2b4")
+  no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(3, 21),), P(None, "x"),
+                   "x4")
 
 
 # --- Control flow --------------------------------------------------------------------------------

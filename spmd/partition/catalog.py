@@ -17,8 +17,8 @@ from spmd.partition import local, manual
 from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
                                        reshard_request)
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
-from spmd.partition.primitives import (ADDITIVE_IN_FIRST, ControlFlow, Inline, Linearity,
-                                      Manual, PrimitiveInfo)
+from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
+                                      Linearity, Manual, PrimitiveInfo)
 from spmd.partition.roll import roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
@@ -130,6 +130,11 @@ LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu 
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
 
 
+def _cumulative(combiner: str, linear: Linearity = NONLINEAR) -> PrimitiveInfo:
+  """A scan along an axis combining with ``combiner`` (rules.reduce.cumulative)."""
+  return PrimitiveInfo(reduce.cumulative(combiner), linear, local.cumulative(combiner))
+
+
 def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
   """(names, record) of every family, by JAX primitive name."""
   ew = elementwise.elementwise
@@ -170,10 +175,16 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("reduce_sum",), PrimitiveInfo(reduce.reduction("sum"), ADDITIVE_IN_FIRST)),
       (("reduce_max", "reduce_or"), PrimitiveInfo(reduce.reduction("max"))),
       (("reduce_min", "reduce_and"), PrimitiveInfo(reduce.reduction("min"))),
-      (("reduce_prod", "reduce_xor", "argmax", "argmin"), PrimitiveInfo(reduce.reduction(None))),
-      (("reduce",), PrimitiveInfo(reduce.variadic_reduce)),
-      (("cumsum",), PrimitiveInfo(reduce.cumulative, ADDITIVE_IN_FIRST)),
-      (("cumprod", "cummax", "cummin", "cumlogsumexp"), PrimitiveInfo(reduce.cumulative)),
+      (("reduce_prod",), PrimitiveInfo(reduce.reduction("prod"), local=local.reduce_again)),
+      (("reduce_xor",), PrimitiveInfo(reduce.reduction("xor"), local=local.reduce_again)),
+      (("argmax",), PrimitiveInfo(reduce.arg_reduction("max"), local=local.arg_reduce)),
+      (("argmin",), PrimitiveInfo(reduce.arg_reduction("min"), local=local.arg_reduce)),
+      (("reduce",), PrimitiveInfo(reduce.variadic_reduce, local=local.variadic_reduce)),
+      (("cumsum",), _cumulative("sum", ADDITIVE_IN_FIRST)),
+      (("cumprod",), _cumulative("prod")),
+      (("cummax",), _cumulative("max")),
+      (("cummin",), _cumulative("min")),
+      (("cumlogsumexp",), _cumulative("logaddexp")),
       (("sort",), PrimitiveInfo(sort.sort)),
       (("top_k",), PrimitiveInfo(sort.top_k)),
       # contractions

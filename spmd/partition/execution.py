@@ -44,6 +44,19 @@ class Execution:
     return tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                  for a in self.factor_axes[f])
 
+  def gather_bytes(self, mesh: MeshShape, wire: Wire) -> int:
+    """Per-device bytes of the all-gather of an op's per-shard partial results, which it
+    combines itself (``rule.gathers``: a variadic reduce, argmax, prod; a cumulative op's
+    totals); 0 for other ops."""
+    rule = self.constraint.rule
+    if not rule.gathers or not self.partial_axes:
+      return 0
+    result, factors = self.constraint.results[0], rule.results[0]
+    elements = math.prod(n for n, dim in zip(self.produces[0].local_shape(result.shape, mesh),
+                                             factors)  # a cumulative op gathers its totals
+                         if not any(rule.kinds[f] is FactorKind.REDUCTION for f in dim))
+    return elements * _count(self.partial_axes, mesh) * sum(wire(d) for d in rule.gathers)
+
   def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
     bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
@@ -110,15 +123,22 @@ class ExecutionPlanner:
     """Each distinct execution, with the bytes that reshard its results to their shardings."""
     from_results = _projections(c.results, c.rule.results, shardings, c.rule, self.mesh)
     from_operands = _projections(c.operands, c.rule.operands, shardings, c.rule, self.mesh)
-    options = [_execute(c, axes, self.mesh) for axes in dict.fromkeys(
+    choices = dict.fromkeys(
         _factor_axes(c, from_results, from_operands, self.mesh, first, operands_first)
         for first, operands_first in (("reductions", False), ("others", False),
-                                      ("reductions", True), ("larger", True)))]
+                                      ("reductions", True), ("larger", True)))
+    if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
+      choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
+    if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
+      choices.update(dict.fromkeys(moved for axes in list(choices)
+                                   for moved in _relocations(axes, c.rule, from_operands)))
+    options = [_execute(c, axes, self.mesh) for axes in choices]
     if len(options) == 1:
       return [(options[0], 0)]
-    return [(ex, sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
-                     for v, made in zip(c.results, ex.produces)
-                     if made is not None and made != shardings[v]))
+    return [(ex, ex.gather_bytes(self.mesh, self.wire)
+             + sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
+                   for v, made in zip(c.results, ex.produces)
+                   if made is not None and made != shardings[v]))
             for ex in options]
 
 
@@ -128,9 +148,10 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
                 for v, tf in zip(c.operands, rule.operands))
   partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                   for a in axes[f])
+  pending = () if rule.gathers else partial  # such an op combines its partial results itself
   produces = tuple(None if v is None or tf is None else
-                   TensorSharding(_sharding(tf, axes).dims, partial,
-                                  rule.combiner if partial else "sum")
+                   TensorSharding(_sharding(tf, axes).dims, pending,
+                                  rule.combiner if pending else "sum")
                    for v, tf in zip(c.results, rule.results))
   halos = tuple(h for w in rule.windows if axes[w.factor]
                 for h in _halos(w, axes[w.factor], mesh))
@@ -182,6 +203,27 @@ def _factor_axes(c: Constraint, from_results: _Projected, from_operands: _Projec
     if final[w.factor] and _halos(w, final[w.factor], mesh) is None:
       final[w.factor] = ()
   return tuple(final)
+
+
+def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule) -> tuple[Axes, ...]:
+  return tuple(() if k is FactorKind.REDUCTION else a for a, k in zip(axes, rule.kinds))
+
+
+def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,
+                 from_operands: _Projected) -> list[tuple[Axes, ...]]:
+  """``axes`` with the operands' axes of the factors the op needs whole or combines itself
+  appended to one pass factor, for each pass factor (an all-to-all moves them there first)."""
+  whole = [f for f in range(rule.num_factors) if rule.whole_or_combined(f)]
+  axes = tuple(() if f in whole else a for f, a in enumerate(axes))
+  taken = {a for factor in axes for a in factor}
+  moved: tuple[str, ...] = ()
+  for f in whole:
+    if f in from_operands:
+      moved += prefix_without(_agreed(from_operands[f]), taken | set(moved))
+  if not moved:
+    return []
+  return [tuple(a + moved if g == f else a for g, a in enumerate(axes))
+          for f, kind in enumerate(rule.kinds) if kind is FactorKind.PASS]
 
 
 def _count(axes: Axes, mesh: MeshShape) -> int:

@@ -223,6 +223,75 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
   return run
 
 
+def variadic_reduce(local: Local, args: list) -> list:
+  """Along sharded reduced dims (padding masked with the init values, uneven.py): each shard is
+  reduced, the per-shard results all-gathered and reduced again with the op's computation."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  inits = args[len(args) // 2:]
+  partials = _gather_partials(local, bind(local.op, args))
+  return bind(local.op, partials + inits, dimensions=(0,))
+
+
+def reduce_again(local: Local, args: list) -> list:
+  """reduce_prod / reduce_xor along sharded dims (padding masked with 1 / 0, uneven.py): each
+  shard is reduced, the per-shard results all-gathered and reduced again."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  return bind(local.op, _gather_partials(local, bind(local.op, args)), axes=(0,))
+
+
+def arg_reduce(local: Local, args: list) -> list:
+  """argmax / argmin along a sharded dim (padding masked, uneven.py): each shard's best value
+  and its global index are all-gathered; the result is the first index of the best value (of a
+  NaN, as JAX's argmax takes NaN as the largest)."""
+  if not local.partial_axes:
+    return bind(local.op, args)
+  x, (axis,) = args[0], local.op.params["axes"]
+  (index,) = bind(local.op, args)
+  value = jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis), axis)
+  index = index + local.offset(local.reads[0], axis, x.shape[axis]).astype(index.dtype)
+  values, indices = _gather_partials(local, [value, index])
+  best = (jnp.min if local.op.primitive == "argmin" else jnp.max)(values, axis=0)
+  first = (values == best) | (values != values)
+  return [jnp.min(jnp.where(first, indices, jnp.iinfo(indices.dtype).max), axis=0)]
+
+
+_COMBINE = {"sum": (jnp.add, jnp.sum), "prod": (jnp.multiply, jnp.prod),
+            "max": (jnp.maximum, jnp.max), "min": (jnp.minimum, jnp.min),
+            "logaddexp": (jnp.logaddexp, jax.nn.logsumexp)}
+
+
+def cumulative(combiner: str) -> Callable[[Local, list], list]:
+  """A scan combining with ``combiner`` along a sharded axis (padding masked, uneven.py): each
+  shard scans its block, the shards' totals are all-gathered and each shard combines its block
+  with the totals of the shards before it (after it, for a reverse scan)."""
+  pair, reduce = _COMBINE[combiner]
+
+  def run(local: Local, args: list) -> list:
+    if not local.partial_axes:
+      return bind(local.op, args)
+    axis, reverse = local.op.params["axis"], local.op.params["reverse"]
+    (scan,) = bind(local.op, args)
+    total = lax.index_in_dim(scan, 0 if reverse else scan.shape[axis] - 1, axis, keepdims=False)
+    (totals,) = _gather_partials(local, [total])
+    shards = lax.broadcasted_iota(jnp.int32, totals.shape, 0)
+    me = shard_index(local.partial_axes)
+    before = (shards > me) if reverse else (shards < me)
+    prefix = reduce(jnp.where(before, totals, identity(combiner, totals.dtype)), axis=0)
+    return [pair(scan, jnp.expand_dims(prefix, axis)).astype(scan.dtype)]
+
+  return run
+
+
+def _gather_partials(local: Local, partials: list) -> list:
+  """Each device's partial results stacked along a new leading dim over the sharded reduction
+  factors' axes (the all-gather ``Execution.gather_bytes`` prices)."""
+  axes = local.partial_axes
+  name = axes if len(axes) > 1 else axes[0]
+  return [lax.all_gather(p, name, axis=0) for p in partials]
+
+
 def dynamic_slice(local: Local, args: list) -> list:
   return bind(local.op, args, slice_sizes=local.out_shape())
 

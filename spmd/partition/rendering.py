@@ -51,6 +51,8 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
                           for step in t.steps if step.communicates]
     by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
     by_op[s.op.index] += [_body_collective(b, s.op, outer) for b in s.body_collectives]
+    if s.gathered:
+      by_op[s.op.index].append(_partials_collective(s, outer))
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, [*s.transfers, *hoisted.get(s.op, ())],
                                           prop.shardings))
@@ -136,6 +138,14 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
                     f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
                     HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
                                  tuple(hop.pairs)))
+
+
+def _partials_collective(s: ScheduledOp, trips: int | None) -> Collective:
+  """An op's all-gather of its per-shard partial results, which it reduces again (rule.gathers)."""
+  ex, result = s.execution, s.op.outputs[0]
+  return Collective("all-gather", ex.partial_axes, s.gathered, s.op.index, s.op.primitive,
+                    s.op.source, "per-shard partial results", _shape(result), str(s.reads[0]),
+                    str(s.writes[0]), trips)
 
 
 def _body_collective(b: BodyCollective, op: Op, trips: int | None) -> Collective:

@@ -77,6 +77,7 @@ class ScheduledOp:
   regions: tuple[RegionSchedule, ...] = ()
   halo_hops: tuple[tuple[Exchange, Hop, int], ...] = ()  # ppermutes of pieces not received before
   body_collectives: tuple[BodyCollective, ...] = ()  # a user's shard_map: its body's (manual.py)
+  gathered: int = 0  # bytes of its own all-gather of per-shard partial results (rule.gathers)
 
 
 @dataclass(eq=False)
@@ -98,11 +99,11 @@ class Schedule:
     iteration inside a while loop): the plan's ``step_bytes``, without rendering the plan."""
     total = sum(_moved(t) for t in self.entry + self.exit)
     for s in self.walk():
-      if not (s.transfers or s.halo_hops or s.regions or s.body_collectives):
+      if not (s.transfers or s.halo_hops or s.regions or s.body_collectives or s.gathered):
         continue  # most ops move nothing
       runs = trips[s.op.index]
       inner = region_trips(s.op, runs) or 1
-      total += (runs or 1) * (sum(map(_moved, s.transfers))
+      total += (runs or 1) * (sum(map(_moved, s.transfers)) + s.gathered
                               + sum(nbytes for _, _, nbytes in s.halo_hops))
       total += inner * sum(_moved(t) for r in s.regions for t in r.exit)
       total += sum(b.bytes * ((None if runs is None or b.trips is None else runs * b.trips) or 1)
@@ -257,7 +258,8 @@ class _Scheduler:
       if key not in self.halo_pieces:
         self.halo_pieces.add(key)
         new_hops.append((halo, hop, nbytes))
-    return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex, (), tuple(new_hops))
+    return ScheduledOp(op, transfers, tuple(reads), tuple(writes), ex, (), tuple(new_hops),
+                       gathered=ex.gather_bytes(self.mesh, self.wire))
 
   def annotation(self, op: Op) -> ScheduledOp:
     """An annotation moves nothing itself: its result is another name for its operand, sharing

@@ -1,7 +1,8 @@
 """Uneven partitioning: a dim of size N split n ways is held padded to n * ceil(N/n), the
 padding at the end (reshard.py keeps regroupings exact). Padding may hold anything until an op
 mixes elements along that dim: then it is replaced by the op's identity (0 for sums and for both
-operands of a contraction, -inf/min for max, +inf/max for min, True for and, False for or).
+operands of a contraction, -inf/min for max, +inf/max for min, True for and, False for or, the
+init values for a variadic reduce).
 Elementwise chains never mask. Ops that need a dim whole get it gathered, padding dropped."""
 from __future__ import annotations
 
@@ -41,7 +42,15 @@ def mask_padding(ex: Execution, op: Op, reads: tuple, args: list, mesh: MeshShap
       if n % count:
         local = -(-n // count)
         keep = valid_rows(out[k].shape, d, n, read, local)
-        out[k] = jnp.where(keep, out[k], identity(rule.combiner, out[k].dtype))
+        out[k] = jnp.where(keep, out[k], _pad_value(rule.combiner, args, k))
   return out
+
+
+def _pad_value(combiner: str, args: list, k: int) -> jax.Array:
+  """What pads operand ``k``: the combiner's identity, or (combiner "init": a variadic reduce,
+  its operands then their init values) operand k's init value."""
+  if combiner == "init":
+    return jnp.asarray(args[len(args) // 2 + k], args[k].dtype)
+  return identity(combiner, args[k].dtype)
 
 

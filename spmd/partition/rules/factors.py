@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from spmd.partition.halo_geometry import Window
 
@@ -32,6 +32,15 @@ class OpShardingRule:
   linear_in: tuple[int, ...] = ()  # operands a pending partial sum may flow through (rules/linear)
   additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
   windows: tuple[WindowedDim, ...] = ()  # geometry of the HALO factors
+  # An op that combines the partial results of its sharded reduction factors itself (a variadic
+  # reduce, argmax, prod; a cumulative op's totals): the dtypes of the per-shard partial results
+  # it all-gathers over those factors' axes (its first result's local shape without the
+  # reduction factors' dims) and combines; its results are whole.
+  gathers: tuple[Any, ...] = ()
+  # The axes of a factor the op needs whole (or combines itself) may move to a pass factor instead
+  # (an all-to-all before the op), as XLA sorts along a sharded dim; every tensor holding such a
+  # factor holds every pass factor.
+  relocatable: bool = False
 
   @property
   def num_factors(self) -> int:
@@ -39,6 +48,13 @@ class OpShardingRule:
 
   def tensors(self) -> tuple[TensorFactors | None, ...]:
     return self.operands + self.results
+
+  def whole_or_combined(self, f: int) -> bool:
+    """Factor ``f`` is one whose axes a relocatable rule may move to a pass factor: one the op
+    needs whole, or a reduction whose partial results it combines itself (``gathers``)."""
+    kind = self.kinds[f]
+    return kind is FactorKind.NEED_REPLICATION or (kind is FactorKind.REDUCTION
+                                                   and bool(self.gathers))
 
   def result_factors(self) -> set[int]:
     return {f for t in self.results if t for dim in t for f in dim}
@@ -86,10 +102,11 @@ class RuleBuilder:
 
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
-            combiner: str = "sum") -> OpShardingRule:
+            combiner: str = "sum", gathers: tuple[Any, ...] = (),
+            relocatable: bool = False) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
-                          windows=tuple(self.windows))
+                          windows=tuple(self.windows), gathers=gathers, relocatable=relocatable)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

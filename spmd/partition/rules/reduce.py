@@ -1,7 +1,9 @@
 """Reductions and scans along an axis.
 
-Sums, max, min, and, or combine partial results across devices (an all-reduce); prod, xor and
-argmax/argmin need the whole reduced dim on one device, and so do cumulative ops along their axis.
+Sums, max, min, and, or combine partial results across devices (an all-reduce); argmax/argmin
+and the variadic reduce reduce each shard, all-gather the per-shard results and reduce them again
+(XLA's tuple reduce), and so do prod and xor; cumulative ops combine each shard's scan with the
+totals of the shards before it.
 """
 from __future__ import annotations
 
@@ -12,48 +14,85 @@ import jax.numpy as jnp
 from spmd.partition.ir import Op
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
-def reduction(combiner: str | None) -> Callable[[Op], OpShardingRule]:
-  """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``
-  ("sum", "max" or "min"), or, with None, the reduced axis must be whole (prod, xor, argmax)."""
-  kind = FactorKind.REDUCTION if combiner else FactorKind.NEED_REPLICATION
+def reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``:
+  "sum", "max" or "min" by an all-reduce later, "prod" or "xor" (which no JAX collective
+  combines) by the op itself, all-gathering them and reducing again (or its axes moved to
+  another dim first: relocatable)."""
+  itself = combiner in ("prod", "xor")
 
   def rule(op: Op) -> OpShardingRule:
     shape = op.inputs[0].aval.shape
     axes = {a % len(shape) for a in op.params["axes"]}
     b = RuleBuilder()
-    operand = [b.factor(n, kind if d in axes else FactorKind.PASS) for d, n in enumerate(shape)]
+    operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
+               for d, n in enumerate(shape)]
     result = [f for d, f in enumerate(operand) if d not in axes]
-    return b.build([operand] * len(op.inputs), [result] * len(op.outputs),
-                   combiner=combiner or "sum")
+    return b.build([operand] * len(op.inputs), [result] * len(op.outputs), combiner=combiner,
+                   gathers=(op.outputs[0].aval.dtype,) if itself else (), relocatable=itself)
+
+  return rule
+
+
+def arg_reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """argmax (``combiner`` "max") or argmin ("min"): each shard's best value and its index are
+  all-gathered over a sharded reduced dim and the best of them taken (padding masked with the
+  ``combiner``'s identity)."""
+
+  def rule(op: Op) -> OpShardingRule:
+    x = op.inputs[0].aval
+    axes = {a % len(x.shape) for a in op.params["axes"]}
+    b = RuleBuilder()
+    operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
+               for d, n in enumerate(x.shape)]
+    result = [f for d, f in enumerate(operand) if d not in axes]
+    return b.build([operand], [result], combiner=combiner,
+                   gathers=(x.dtype, jnp.dtype(op.params["index_dtype"])), relocatable=True)
 
   return rule
 
 
 def variadic_reduce(op: Op) -> OpShardingRule:
-  """The generic ``reduce`` (any computation, several operands): reduced dims are whole."""
+  """The generic ``reduce`` (any computation, several operands): each shard is reduced, the
+  per-shard results all-gathered over a sharded reduced dim and reduced again (padding masked
+  with the init values, ``combiner`` "init")."""
   shape = op.inputs[0].aval.shape
   axes = set(op.params["dimensions"])
   b = RuleBuilder()
-  operand = [b.factor(n, FactorKind.NEED_REPLICATION if d in axes else FactorKind.PASS)
+  operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
              for d, n in enumerate(shape)]
   result = [f for d, f in enumerate(operand) if d not in axes]
   arrays = len(op.inputs) // 2
-  return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs))
+  return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs),
+                 combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs),
+                 relocatable=True)
 
 
-def cumulative(op: Op) -> OpShardingRule:
-  shape = op.inputs[0].aval.shape
-  b = RuleBuilder()
-  dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["axis"] else FactorKind.PASS)
-          for d, n in enumerate(shape)]
-  return b.build([dims], [dims])
+def cumulative(combiner: str) -> Callable[[Op], OpShardingRule]:
+  """cumsum ("sum"), cumprod ("prod"), cummax, cummin, cumlogsumexp ("logaddexp"): along a
+  sharded axis each shard scans its block, the shards' totals are all-gathered and each shard
+  combines its block with the totals of the shards before it; or the axis's mesh axes move to
+  another dim first (relocatable)."""
+
+  def rule(op: Op) -> OpShardingRule:
+    x = op.inputs[0].aval
+    b = RuleBuilder()
+    dims = [b.factor(n, FactorKind.REDUCTION if d == op.params["axis"] else FactorKind.PASS)
+            for d, n in enumerate(x.shape)]
+    return b.build([dims], [dims], combiner=combiner, gathers=(x.dtype,), relocatable=True)
+
+  return rule
 
 
 def identity(combiner: str, dtype: Any) -> Any:
   """The value that leaves a ``combiner`` reduction unchanged."""
   dtype = jnp.dtype(dtype)
-  if combiner == "sum":
+  if combiner in ("sum", "xor"):
     return jnp.zeros((), dtype)
+  if combiner == "prod":
+    return jnp.ones((), dtype)
+  if combiner == "logaddexp":
+    return jnp.asarray(-jnp.inf, dtype)
   if dtype == jnp.bool_:
     return jnp.asarray(combiner == "min")
   big = jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max

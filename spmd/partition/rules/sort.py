@@ -1,4 +1,5 @@
-"""sort and top_k: the sorted dim must be whole on each device; other dims pass through."""
+"""sort and top_k: the sorted dim must be whole on each device; other dims pass through, and may
+take the sorted dim's mesh axes (an all-to-all, as XLA's partitioner moves them)."""
 from __future__ import annotations
 
 from spmd.partition.ir import Op
@@ -10,7 +11,7 @@ def sort(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["dimension"] else
                    FactorKind.PASS) for d, n in enumerate(shape)]
-  return b.build([dims] * len(op.inputs), [dims] * len(op.outputs))
+  return b.build([dims] * len(op.inputs), [dims] * len(op.outputs), relocatable=True)
 
 
 def top_k(op: Op) -> OpShardingRule:
@@ -21,4 +22,4 @@ def top_k(op: Op) -> OpShardingRule:
              for d, n in enumerate(shape)]
   k_dim = b.factor(op.outputs[0].shape[axis], FactorKind.NEED_REPLICATION)
   result = [k_dim if d == axis else f for d, f in enumerate(operand)]
-  return b.build([operand], [result] * len(op.outputs))
+  return b.build([operand], [result] * len(op.outputs), relocatable=True)
