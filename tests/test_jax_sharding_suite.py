@@ -246,7 +246,8 @@ def float8_and_int4():
 
 @case
 def shard_alike():
-  from jax.experimental.shard_alike import shard_alike as alike
+  # jax.experimental.shard_alike is gone from JAX 0.12 (CI's newest JAX)
+  alike = pytest.importorskip("jax.experimental.shard_alike").shard_alike
   def f(x, y):
     a, b = alike(x * 2, y + 1)
     return a + 1, b * 3
