@@ -106,7 +106,7 @@ def measure(family: Family, name: str, config: Any, batch: int, seq: int, runs: 
   mine = run.comm_list(ours_exe.as_text(), mesh)
   theirs = run.comm_list(xla_exe.as_text(), mesh)
   a, b = sum(n for _, n, _ in mine), sum(n for _, n, _ in theirs)
-  contenders = {"ours": functools.partial(ours_exe, *jax.tree.leaves((state, tokens))),
+  contenders = {"ours": functools.partial(ours_exe, state, tokens),
                 "xla": functools.partial(xla_exe, state, tokens)}
   times: dict[str, list[float]] = {k: [] for k in contenders}
   for fn in contenders.values():
