@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import assert_partitioned_matches
+from helpers import assert_partitioned_matches, xla_bytes
 from spmd.hlo import collective_bytes, collectives
 
 
@@ -125,6 +125,23 @@ def test_partial_sum_into_a_sharded_consumer_is_a_reduce_scatter(mesh):
   plan = assert_partitioned_matches(f, (X, w), (P(None, "model"), P("model", None)), mesh,
                                     rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives] == ["reduce-scatter"]
+
+
+def test_partial_sums_added_before_a_sharded_consumer_are_reduce_scattered_once(mesh):
+  """Three dots contracting a split dim, summed, the sum wanted split along another dim (the
+  q, k and v input gradients under sequence parallelism). Each dot alone would rather move its
+  lhs by an all-to-all and gather its kernel than reduce-scatter its result; summed, their
+  partial sums are added where they are and reduce-scattered once (XLA all-reduces 3x)."""
+  def f(x, w1, w2, w3):
+    return spmd.annotate(x @ w1 + (x * 2) @ w2 + (x * 3) @ w3, P("model", None))
+
+  x = jnp.linspace(-1, 1, 256 * 64).reshape(256, 64)
+  ws = [jnp.linspace(0, k, 64 * 48).reshape(64, 48) for k in (1, 2, 3)]
+  specs = (P(None, "model"),) + (P("model", None),) * 3
+  plan = assert_partitioned_matches(f, (x, *ws), specs, mesh, rtol=TOL, atol=TOL)
+  assert [c.kind for c in plan.collectives] == ["reduce-scatter"]
+  assert plan.total_bytes == 256 * 48 * 4  # the whole partial sum, scattered over "model"
+  assert plan.total_bytes <= xla_bytes(f, (x, *ws), specs, mesh)
 
 
 def test_einsum_runs_on_its_operands_shards_when_resharding_its_result_is_cheaper(mesh):

@@ -83,7 +83,7 @@ class ExecutionPlanner:
 
   def __init__(self, mesh: MeshShape, wire: Wire):
     self.mesh, self.wire = mesh, wire
-    self._options: dict[tuple, list[tuple[Execution, int]]] = {}
+    self._options: dict[tuple, list[_Option]] = {}
     self._reshards: dict[tuple, tuple[ReshardStep, ...]] = {}
     # per constraint: (its rule, tensors' shapes and dtypes), its tensors
     self._signatures: dict[int, tuple[tuple, tuple[Value | None, ...]]] = {}
@@ -97,8 +97,12 @@ class ExecutionPlanner:
       steps = self._reshards[key] = plan_reshard(src, dst, v.shape, key[3], self.mesh)
     return steps
 
-  def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
-           price: Price) -> Execution:
+  def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding], price: Price,
+           summed_with: Callable[[Value], int] = lambda v: 1) -> Execution:
+    """The cheapest execution of ``c``: the bytes of its own gather, its results' reshards and
+    its operands' (``price``). A result left as a pending partial sum that ``summed_with`` other
+    such sums (an add of several dots' partial results) is reduced once for all of them, so its
+    reduction is priced at its share."""
     known = self._signatures.get(id(c))
     if known is None:  # propagation shares equal ops' rules
       tensors = c.tensors()
@@ -110,16 +114,31 @@ class ExecutionPlanner:
     if options is None:
       options = self._options[key] = self._candidates(c, shardings)
     if len(options) == 1:
-      best = options[0][0]
+      best = options[0].execution
     else:  # the first of equally cheap options
-      best = min(options, key=lambda o: o[1] + sum(
-          price(v, need) for v, need in zip(c.operands, o[0].needs) if need is not None))[0]
+      best = min(options, key=lambda o: o.cost(c.results, summed_with) + sum(
+          price(v, need) for v, need in zip(c.operands, o.execution.needs)
+          if need is not None)).execution
     if best.constraint is c:
       return best
     return Execution(c, best.factor_axes, best.needs, best.produces, best.halos)
 
+  def in_layout(self, c: Constraint, dims: TensorSharding) -> Execution | None:
+    """``c`` run with every operand in ``dims``' layout, where its rule maps each sharded dim to
+    one factor alike for every operand (an elementwise op); else None."""
+    axes: list[Axes] = [()] * c.rule.num_factors
+    for factors, dim_axes in zip(c.rule.operands[0], dims.dims):
+      if dim_axes and len(factors) != 1:
+        return None
+      if dim_axes:
+        axes[factors[0]] = dim_axes
+    ex = _execute(c, tuple(axes), self.mesh)
+    if any(need is not None and need.dims != dims.dims for need in ex.needs):
+      return None
+    return ex
+
   def _candidates(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
-                  ) -> list[tuple[Execution, int]]:
+                  ) -> list[_Option]:
     """Each distinct execution, with the bytes that reshard its results to their shardings."""
     from_results = _projections(c.results, c.rule.results, shardings, c.rule, self.mesh)
     from_operands = _projections(c.operands, c.rule.operands, shardings, c.rule, self.mesh)
@@ -134,12 +153,27 @@ class ExecutionPlanner:
                                    for moved in _relocations(axes, c.rule, from_operands)))
     options = [_execute(c, axes, self.mesh) for axes in choices]
     if len(options) == 1:
-      return [(options[0], 0)]
-    return [(ex, ex.gather_bytes(self.mesh, self.wire)
-             + sum(sum(s.bytes for s in self.reshard(v, made, shardings[v]))
-                   for v, made in zip(c.results, ex.produces)
-                   if made is not None and made != shardings[v]))
+      return [_Option(options[0], 0, ())]
+    return [_Option(ex, ex.gather_bytes(self.mesh, self.wire), tuple(
+        0 if made is None or made == shardings[v] else
+        sum(s.bytes for s in self.reshard(v, made, shardings[v]))
+        for v, made in zip(c.results, ex.produces)))
             for ex in options]
+
+
+@dataclass(frozen=True)
+class _Option:
+  """A candidate execution and what it moves besides its operands' reshards: its own gather of
+  partial results, and each result's reshard to its propagated sharding."""
+
+  execution: Execution
+  gathered: int
+  result_bytes: tuple[int, ...]
+
+  def cost(self, results: tuple[Value | None, ...], summed_with: Callable[[Value], int]) -> int:
+    return self.gathered + sum(
+        moved // summed_with(v) if made is not None and made.partial else moved
+        for v, made, moved in zip(results, self.execution.produces, self.result_bytes))
 
 
 def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Execution:

@@ -7,8 +7,10 @@ reduced once however many ops read it; choosing how an op runs, a reshard of an 
 later ops of the same kind also read (the q, k and v projections of one stream) is priced at its
 share, since the form it makes serves them all. A pending partial sum flows through ops that are
 linear in it (add, dot, reduce_sum, ...) and is reduced where a consumer needs it whole: a dot
-followed by an add of another partial sum needs one psum, not two; a psum whose consumer shards
-the summed axis becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the
+followed by an add of another partial sum needs one psum, not two (the add runs in their
+layout, whatever its result's, and choosing how each dot runs, the reduction of a result that
+adds sum with others is priced at its share); a psum whose consumer shards the summed axis
+becomes a reduce-scatter. Partial sums never cross a control-flow boundary or the
 output. A loop body reads its invariants from outside (ir.py): a reshard of a value defined
 outside the region being scheduled runs where the value is, before the loop (as XLA's
 loop-invariant code motion moves it), so it runs once, and two loops reading one weight in one
@@ -27,6 +29,7 @@ from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import PrimitiveInfo, describe
 from spmd.partition.propagate import Constraint
+from spmd.partition.rules.factors import FactorKind
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.trips import Trips, region_trips
@@ -123,6 +126,7 @@ class ProgramFacts:
 
   by_op: Mapping[int, list[Constraint]]
   partial_ok: Mapping[Value, bool]
+  summed_with: Mapping[Value, int]
   names: Mapping[Value, tuple[Value, ...]]
   duplicates: Mapping[Op, Op]
 
@@ -133,7 +137,8 @@ def program_facts(program: Program, constraints: list[Constraint],
   by_op: dict[int, list[Constraint]] = {}
   for c in constraints:
     by_op.setdefault(c.op.index, []).append(c)
-  return ProgramFacts(by_op, _partial_ok(program, by_op, duplicates, program.value_depths),
+  partial_ok = _partial_ok(program, by_op, duplicates, program.value_depths)
+  return ProgramFacts(by_op, partial_ok, _summed_with(program, by_op, partial_ok),
                       _names(program, duplicates), duplicates)
 
 
@@ -143,6 +148,7 @@ class _Scheduler:
     self.shardings, self.mesh, self.wire = shardings, executions.mesh, executions.wire
     self.duplicates, self.by_op = facts.duplicates, facts.by_op
     self.partial_ok, self.names = facts.partial_ok, facts.names
+    self.summed_with = lambda v: facts.summed_with.get(v, 1)
     self.scopes = program.value_depths
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
@@ -236,7 +242,8 @@ class _Scheduler:
     info = describe(op.eqn.primitive)
     if info is not None and info.manual is not None:
       return self.manual(op, c, info)
-    ex = self.executions.plan(c, self.shardings, self.shared_price(op))
+    ex = self._in_pending_layout(op, self.executions.plan(
+        c, self.shardings, self.shared_price(op), self.summed_with))
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:
@@ -295,6 +302,26 @@ class _Scheduler:
 
   def _order(self, axis: str) -> int:
     return list(self.mesh).index(axis)
+
+  def _in_pending_layout(self, op: Op, ex: Execution) -> Execution:
+    """An add of pending partial sums that share one layout runs in it, whatever the layout its
+    result was propagated: its sum stays pending, reduced once by its reader, rather than each
+    operand reduced into the propagated layout."""
+    rule = ex.constraint.rule
+    if not rule.additive:
+      return ex
+    pending = set()
+    for k in rule.linear_in:
+      x = op.inputs[k]
+      if not isinstance(x, Value) or not self.partial_ok.get(x, False) or ex.needs[k] is None:
+        return ex
+      pending.add(next((f for f in self.forms[x] if f.partial and f.partial_op == "sum"), None))
+    if len(pending) != 1 or None in pending:
+      return ex
+    (form,) = pending
+    if form.dims == ex.needs[rule.linear_in[0]].dims:
+      return ex
+    return self.executions.in_layout(ex.constraint, form) or ex
 
   def _deferrable(self, op: Op, ex: Execution) -> tuple[tuple[int, ...], Axes] | None:
     """Operands whose pending partial sum can flow through ``op``, and the summed axes."""
@@ -389,6 +416,48 @@ def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
     if isinstance(x, Value):
       ok[names.get(x, x)] = False
   return ok
+
+
+def _summed_with(program: Program, by_op: Mapping[int, list[Constraint]],
+                 partial_ok: Mapping[Value, bool]) -> dict[Value, int]:
+  """For a result of a sum-reduction (a dot, reduce_sum) that a tree of adds sums with others
+  before anything else reads it: how many such results the tree adds. Left pending, their partial
+  sums flow through the adds and are reduced once, at the tree's root."""
+  def rule(op: Op):
+    return None if op.regions else by_op[op.index][0].rule
+
+  def sum_reduction(op: Op) -> bool:
+    r = rule(op)
+    return (r is not None and r.combiner == "sum"
+            and any(k is FactorKind.REDUCTION for k in r.kinds))
+
+  def summed_into(v: Value) -> Op | None:
+    """The add that sums ``v`` (maybe transposed or reshaped on the way), read by nothing else."""
+    while True:
+      readers = program.reads.get(v, ())
+      if not partial_ok.get(v, False) or len(readers) != 1:
+        return None
+      (reader, k), r = readers[0], rule(readers[0][0])
+      if r is None or k not in r.linear_in:
+        return None
+      if r.additive:
+        return reader
+      if len(reader.inputs) != 1 or len(reader.outputs) != 1:
+        return None
+      v = reader.outputs[0]
+
+  roots: dict[Value, Op] = {}
+  for op, _ in program.nested_ops:
+    if sum_reduction(op) and len(op.outputs) == 1:
+      add = root = summed_into(op.outputs[0])
+      while add is not None:
+        root, add = add, summed_into(add.outputs[0])
+      if root is not None:
+        roots[op.outputs[0]] = root
+  sizes: dict[Op, int] = {}
+  for v, add in roots.items():
+    sizes[add] = sizes.get(add, 0) + 1
+  return {v: sizes[add] for v, add in roots.items() if sizes[add] > 1}
 
 
 def _kind(op: Op, shardings: Mapping[Value, TensorSharding]) -> Hashable | None:
