@@ -179,7 +179,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("reduce_xor",), PrimitiveInfo(reduce.reduction("xor"), local=local.reduce_again)),
       (("argmax",), PrimitiveInfo(reduce.arg_reduction("max"), local=local.arg_reduce)),
       (("argmin",), PrimitiveInfo(reduce.arg_reduction("min"), local=local.arg_reduce)),
-      (("reduce",), PrimitiveInfo(reduce.variadic_reduce, local=local.variadic_reduce)),
+      (("reduce",), PrimitiveInfo(reduce.variadic_reduce, local=local.reduce_again)),
       (("cumsum",), _cumulative("sum", ADDITIVE_IN_FIRST)),
       (("cumprod",), _cumulative("prod")),
       (("cummax",), _cumulative("max")),

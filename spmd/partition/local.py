@@ -223,22 +223,16 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
   return run
 
 
-def variadic_reduce(local: Local, args: list) -> list:
-  """Along sharded reduced dims (padding masked with the init values, uneven.py): each shard is
-  reduced, the per-shard results all-gathered and reduced again with the op's computation."""
-  if not local.partial_axes:
-    return bind(local.op, args)
-  inits = args[len(args) // 2:]
-  partials = _gather_partials(local, bind(local.op, args))
-  return bind(local.op, partials + inits, dimensions=(0,))
-
-
 def reduce_again(local: Local, args: list) -> list:
-  """reduce_prod / reduce_xor along sharded dims (padding masked with 1 / 0, uneven.py): each
-  shard is reduced, the per-shard results all-gathered and reduced again."""
+  """A reduction that combines its own partial results (the variadic ``reduce``, reduce_prod,
+  reduce_xor) along sharded reduced dims (padding masked with the init values, 1 or 0,
+  uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again."""
   if not local.partial_axes:
     return bind(local.op, args)
-  return bind(local.op, _gather_partials(local, bind(local.op, args)), axes=(0,))
+  partials = _gather_partials(local, bind(local.op, args))
+  if "dimensions" in local.op.params:  # the variadic reduce: operands, then their init values
+    return bind(local.op, partials + args[len(args) // 2:], dimensions=(0,))
+  return bind(local.op, partials, axes=(0,))
 
 
 def arg_reduce(local: Local, args: list) -> list:
