@@ -144,6 +144,34 @@ def test_partial_sums_added_before_a_sharded_consumer_are_reduce_scattered_once(
   assert plan.total_bytes <= xla_bytes(f, (x, *ws), specs, mesh)
 
 
+@pytest.mark.parametrize("case", ["mixed", "uneven", "bfloat16", "both_axes", "grad"])
+def test_summed_partial_sums_neighbours(mesh, case):
+  """Around the case above: a summand that is no partial sum, rows that split unevenly, bf16,
+  the contraction over both mesh axes, and the backward pass that makes such sums."""
+  rows, dtype, k_axes = 256, jnp.float32, "model"
+  if case == "uneven":
+    rows = 30
+  if case == "bfloat16":
+    dtype = jnp.bfloat16
+  if case == "both_axes":
+    k_axes = ("data", "model")
+  x = jnp.linspace(-1, 1, rows * 64, dtype=dtype).reshape(rows, 64)
+  ws = [jnp.linspace(0, k, 64 * 48, dtype=dtype).reshape(64, 48) for k in (1, 2, 3)]
+  specs = (P(None, k_axes),) + (P(k_axes, None),) * 3
+
+  def f(x, w1, w2, w3):
+    y = x @ w1 + (x * 2) @ w2 + (x * 3) @ w3
+    if case == "mixed":
+      y = y + jnp.cos(x[:, :48])
+    return spmd.annotate(y, P("model", None))
+
+  fn, tol = f, (2e-2 if case == "bfloat16" else TOL)
+  if case == "grad":
+    fn = jax.grad(lambda x, *ws: (f(x, *ws) ** 2).sum() * 1e-6)
+  assert_partitioned_matches(fn, (x, *ws), specs, mesh, rtol=tol, atol=tol,
+                             atol_per_magnitude=True)
+
+
 def test_einsum_runs_on_its_operands_shards_when_resharding_its_result_is_cheaper(mesh):
   """GShard's dispatch: mask and tokens split by group, the result [experts, groups, capacity,
   d_model] pinned split by expert. Run in the result's layout, the mask is all-to-all'd and the
