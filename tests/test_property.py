@@ -472,6 +472,26 @@ def op_reduce(b: _Builder) -> str | None:
   return b.emit(expr, out, dtype, sig=(fn, x, axes))
 
 
+ALONG = {"sort": "jnp.sort({}, axis={})", "cumsum": "jnp.cumsum({}, axis={})",
+         "cummax": "jax.lax.cummax({}, axis={})", "argmax": "jnp.argmax({}, axis={})",
+         "argmin": "jnp.argmin({}, axis={})"}
+
+
+def op_along(b: _Builder) -> str | None:
+  """A sort, a cumulative op or an arg-reduction along one dim longer than 1 (along a sharded
+  dim their rules move its axes to another dim, scan each block, or gather partial results)."""
+  x = b.pick()
+  sx, draw = b.shape(x), b.draw
+  dims = [d for d, n in enumerate(sx) if n > 1]
+  if not dims:
+    return None
+  fn, axis = draw(st.sampled_from(sorted(ALONG))), draw(st.sampled_from(dims))
+  expr = ALONG[fn].format(x, axis)
+  if fn.startswith("arg"):
+    return b.emit(expr, sx[:axis] + sx[axis + 1:], "int32", sig=(fn, b.root(x), axis))
+  return b.emit(expr, sx, b.dtype_of(x), sig=(fn, b.root(x), axis))
+
+
 def op_slice(b: _Builder) -> str | None:
   x = b.pick()
   sx, draw = b.shape(x), b.draw
@@ -538,7 +558,7 @@ def op_annotate(b: _Builder) -> str | None:
 OPS: dict[str, Callable[[_Builder], str | None]] = {
     "unary": op_unary, "binary": op_binary, "broadcast": op_broadcast, "reshape": op_reshape,
     "transpose": op_transpose, "dot": op_dot, "reduce": op_reduce, "slice": op_slice,
-    "concatenate": op_concatenate, "annotate": op_annotate,
+    "concatenate": op_concatenate, "annotate": op_annotate, "along": op_along,
 }
 
 
