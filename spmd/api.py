@@ -426,16 +426,18 @@ class Partitioned:
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
     donated_args = {i % len(args) for i in self.donate_argnums}
-    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
-                     steady, watched, graph_out, in_tree,
+    in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
+                         zip(requested, analysis.schedule.inputs, program.inputs))
+    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis, in_shardings),
+                     out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
-                     tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
-                           zip(requested, analysis.schedule.inputs, program.inputs))
-                     if even else None, out_shardings)
+                     in_shardings if even else None, out_shardings)
 
-  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
+  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis,
+                      in_shardings: tuple[NamedSharding, ...]) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
-    cotangents sharded like the inputs, outputs' like the outputs)."""
+    cotangents sharded like the inputs, outputs' like the outputs). The inputs' cotangents come
+    back with ``in_shardings`` (the inputs' shardings as ``jax.jit`` spells them)."""
     in_specs = [s.to_spec() for s in analysis.schedule.inputs]
     out_specs = [s.to_spec() for s in analysis.schedule.outputs]
     program = analysis.program
@@ -477,7 +479,7 @@ class Partitioned:
             ([in_specs[i] for i in in_diff],
              [s for i, s in enumerate(in_specs) if i not in in_diff],
              [out_specs[j] for j in out_diff]),
-            [in_specs[i] for i in in_diff], (), (), self.backend))
+            [in_shardings[i] for i in in_diff], (), (), self.backend))
       grads = backward[0]([leaves[i] for i in in_diff],
                           [x for i, x in enumerate(leaves) if i not in in_diff],
                           [cts[j] for j in out_diff])
