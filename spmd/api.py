@@ -470,9 +470,14 @@ class Partitioned:
         all_cts[j] = ct
       return list(vjp(all_cts))
 
+    # Traced leaves (under jax.vmap, say) hide their committed shardings, which jax.jit's
+    # in_shardings would refuse where they differ: inside a jit without in_shardings, the
+    # program's in_shardings constrain its operands instead (XLA reshards them on entry).
+    any_sharding = jax.jit(fn)
+
     @jax.custom_vjp
     def call(*leaves: Any) -> Any:
-      return fn(*leaves)
+      return any_sharding(*leaves)
 
     def fwd(*leaves: Any) -> tuple:
       # Under an eager jax.grad the primals are concrete: one committed with another sharding
