@@ -272,6 +272,102 @@ def none_leaves_and_empty_containers_in_outputs():
             ({"y": P("b"), "none": None, "empty": ()}, [P(), P()]))
 
 
+@case
+def vmap_with_unbatched_outputs_and_out_specs():
+  def fn(x, w):
+    return x @ w, w * 2
+  ours, theirs = both(fn, (P("a", "b"), P("b")), (P("a"), P(None, "b")))
+  xs = randn(3, 8, 16, seed=2)
+  batched = lambda f: jax.vmap(f, (0, None), (1, None))  # noqa: E731
+  same(batched(ours)(xs, W), batched(theirs)(xs, W))
+
+
+@case
+def per_example_grads_by_vmap_of_grad():
+  loss = lambda w, x: jnp.tanh(x @ w).sum()  # noqa: E731
+  ours, theirs = both(loss, (P(None, "b"), P("b")), P())
+  per_example = lambda f: jax.vmap(jax.grad(f), (None, 0))  # noqa: E731
+  same(per_example(ours)(W, X), per_example(theirs)(W, X), shardings=False)
+
+
+@case
+def called_in_cond_branches_and_under_jit_with_donation():
+  ours, theirs = both(lambda x, w: jnp.tanh(x @ w) @ w.T, (P("a"), P(None, "b")), P("a"))
+
+  def outer(f):
+    g = lambda x: lax.cond(x.sum() > 0, lambda v: f(v, W), lambda v: -f(-v, W), x)  # noqa
+    return jax.jit(g, donate_argnums=0)
+  same(outer(ours)(jnp.asarray(X)), outer(theirs)(jnp.asarray(X)))
+
+
+@case
+def lower_with_abstract_arguments_carrying_shardings():
+  """AOT with ShapeDtypeStructs: the compiled program takes arrays of those avals."""
+  mesh = get_mesh(MESH)
+  ours, theirs = both(mlp, (P("a"), P(None, "b")), (P("a", "b"), P("a")))
+  abstract = (jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=NamedSharding(mesh, P("a"))),
+              jax.ShapeDtypeStruct(W.shape, W.dtype))
+  mine, jits = ours.lower(*abstract).compile(), theirs.lower(*abstract).compile()
+  same(mine(X, W), jits(X, W))
+  assert mine.input_shardings == jits.input_shardings
+
+
+@case
+def vmap_spmd_axis_name_over_both_axes():
+  ours, theirs = both(lambda x, w: jnp.tanh(x @ w), (P(), P()))
+  xs = randn(8, 4, 16, seed=2)
+  same(jax.vmap(ours, (0, None), spmd_axis_name=("a", "b"))(xs, W),
+       jax.vmap(theirs, (0, None), spmd_axis_name=("a", "b"))(xs, W))
+
+
+@case
+def vmap_over_typed_keys_and_a_static_argument():
+  def fn(key, x, scale):
+    return x * scale + jax.random.normal(key, x.shape)
+  mesh = get_mesh(MESH)
+  ours = spmd.partition(fn, mesh=mesh, in_specs=(P(), P("a", "b")), static_argnums=2)
+  theirs = jax.jit(fn, in_shardings=named(mesh, (P(), P("a", "b"))), static_argnums=2)
+  keys = jax.random.split(jax.random.key(5), 3)
+  batched = lambda f: jax.vmap(f, (0, None, None))  # noqa: E731
+  same(batched(ours)(keys, X, 2.0), batched(theirs)(keys, X, 2.0))
+
+
+@case
+def grad_and_vmap_of_an_uneven_partitioned_function():
+  """Rows split 4 ways unevenly (6 rows over "b"), which jax.jit refuses: grad and vmap of the
+  partitioned function equal the unpartitioned function's."""
+  loss = lambda x, w: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  f = spmd.partition(loss, mesh=get_mesh(MESH), in_specs=(P("b"), P()))
+  x = randn(6, 16, seed=2)
+  same(jax.grad(f, (0, 1))(x, W), jax.grad(loss, (0, 1))(x, W), shardings=False)
+  xs = randn(3, 6, 16, seed=3)
+  same(jax.vmap(f, (0, None))(xs, W), jax.vmap(loss, (0, None))(xs, W), shardings=False)
+
+
+@case
+def grad_with_dict_params_none_leaves_and_integer_aux():
+  def loss(params, x):
+    h = jnp.tanh(x @ params["w"])
+    if params["b"] is not None:
+      h = h + params["b"]
+    return (h ** 2).mean(), (h > 0).sum()
+  ours, theirs = both(loss, ({"w": P(None, "b"), "b": None}, P("a")), (P(), P()))
+  params = {"w": W, "b": None}
+  same(jax.value_and_grad(ours, has_aux=True)(params, X),
+       jax.value_and_grad(theirs, has_aux=True)(params, X), shardings=False)
+
+
+@case
+def lax_map_and_remat_policy_around_a_partitioned_function():
+  ours, theirs = both(lambda x, w: jnp.sin(x @ w).sum(), (P("a"), P(None, "b")))
+
+  def loss(f, w):
+    g = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+    return lax.map(lambda x: g(x, w), jnp.stack([X, -X, X * 0.5])).sum()
+  same(jax.value_and_grad(loss, 1)(ours, W), jax.value_and_grad(loss, 1)(theirs, W),
+       shardings=False)
+
+
 # --- pjit themes -----------------------------------------------------------------------------------
 
 @case
@@ -393,6 +489,17 @@ def complex_and_bfloat16_through_a_dot():
   z = (randn(8, 16) + 1j * randn(8, 16, seed=2)).astype(np.complex64)
   check_jit(fn, (z, X.astype(jnp.bfloat16)), (P("a", "b"), P("a", "b")), MESH, rtol=2e-2,
             atol=2e-2)
+
+
+@case
+def zeros_and_arange_placed_by_device_inside():
+  mesh = get_mesh(MESH)
+
+  def fn(x):
+    z = jnp.zeros((8, 16), device=NamedSharding(mesh, P("b", "a")))
+    r = jnp.arange(16.0, device=NamedSharding(mesh, P("b")))
+    return x + z + r
+  check_jit(fn, (X,), P("a"), MESH)
 
 
 # --- shard_map bodies inside a partitioned function -----------------------------------------------
@@ -561,6 +668,46 @@ def shard_map_custom_vjp_in_body_under_grad():
     y = smap(lambda b, v: clip_grad(jnp.tanh(b @ v)), (P("a"), P()), P("a"))(x, w)
     return (y ** 2).sum()
   check_jit(jax.grad(loss, (0, 1)), (X, W), (P("a", "b"), P("b")), MESH)
+
+
+@case
+def shard_map_collectives_under_grad():
+  """The transposes of all_gather (a reduce-scatter), ppermute (the inverse permutation) and
+  psum_scatter (an all-gather) in the backward body."""
+  def body(b, w):
+    g = lax.all_gather(b, "b", axis=1, tiled=True)  # [4, 16]
+    r = lax.ppermute(jnp.tanh(g @ w), "a", [(0, 1), (1, 0)])  # [4, 8]
+    return lax.psum_scatter(r, "b", scatter_dimension=1, tiled=True)  # [4, 2]
+
+  def loss(x, w):
+    return (smap(body, (P("a", "b"), P()), P("a", "b"))(x, w) ** 2).sum()
+  check_jit(jax.grad(loss, (0, 1)), (X, W * 0.5), (P("a", "b"), P()), MESH)
+
+
+@case
+def shard_map_vmapped_inside():
+  """jax.vmap of a shard_map inside the partitioned function: the batch dim is unmapped."""
+  s = smap(lambda b: lax.psum(b * b, "b"), P("a", "b"), P("a"))
+  check_jit(lambda xs: jax.vmap(s)(xs) + 1, (randn(3, 8, 16, seed=2),), P(None, "a", "b"), MESH)
+
+
+@case
+def shard_map_random_per_device_by_axis_index():
+  def body(key, b):
+    k = jax.random.fold_in(key, lax.axis_index(("a", "b")))
+    return b + jax.random.normal(k, b.shape)
+  f = lambda key, x: smap(body, (P(), P("a", "b")), P("a", "b"))(key, x)  # noqa: E731
+  check_jit(f, (jax.random.key(3), X), (P(), P("a", "b")), MESH)
+
+
+@case
+def shard_map_axes_in_reverse_order_and_replicated_over_one():
+  """in_specs naming the axes in the other order (("b", "a") on one dim) and a body replicated
+  over "a" (its operand unsplit there)."""
+  def body(u, v):
+    return lax.psum(u.sum(), ("b", "a")) * v
+  f = lambda u, v: smap(body, (P(("b", "a")), P(None, "b")), P(None, "b"))(u, v)  # noqa: E731
+  check_jit(f, (randn(16, seed=2), X), (P("a"), P("b")), MESH)
 
 
 @pytest.mark.parametrize("run", CASES, ids=[c.__name__ for c in CASES])
