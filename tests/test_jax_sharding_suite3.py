@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -365,6 +365,69 @@ def lax_map_and_remat_policy_around_a_partitioned_function():
     g = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
     return lax.map(lambda x: g(x, w), jnp.stack([X, -X, X * 0.5])).sum()
   same(jax.value_and_grad(loss, 1)(ours, W), jax.value_and_grad(loss, 1)(theirs, W),
+       shardings=False)
+
+
+@case
+def vmap_and_grad_on_an_explicit_mesh_under_set_mesh():
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+  fn = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+  ours = spmd.partition(fn, mesh=mesh, in_specs=(P("a"), P()))
+  theirs = jax.jit(fn, in_shardings=named(mesh, (P("a"), P())))
+  xs = randn(3, 8, 16, seed=2)
+  with jax.set_mesh(mesh):
+    same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
+    grad = lambda f: jax.grad(lambda x, w: f(x, w).sum(), (0, 1))  # noqa: E731
+    same(grad(ours)(X, W), grad(theirs)(X, W))
+
+
+@case
+def vmap_with_dict_in_axes():
+  fn = lambda p, x: jnp.tanh(x @ p["w"]) + p["b"]  # noqa: E731
+  ours, theirs = both(fn, ({"w": P(None, "b"), "b": P()}, P("a")))
+  params = {"w": np.stack([W, W * 2]), "b": randn(8, seed=3)}
+  axes = ({"w": 0, "b": None}, None)
+  same(jax.vmap(ours, axes)(params, X), jax.vmap(theirs, axes)(params, X))
+
+
+@case
+def jit_of_vmap_spmd_axis_name_and_vmap_of_grad():
+  ours, theirs = both(mlp, (P(None, "b"), P("b")))
+  xs, ws = randn(2, 8, 16, seed=2), randn(2, 16, 8, seed=3)
+  batched = lambda f: jax.jit(jax.vmap(f, spmd_axis_name="a"))  # noqa: E731
+  same(batched(ours)(xs, ws), batched(theirs)(xs, ws))
+  loss = lambda x, w: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  ours, theirs = both(loss, (P("a", "b"), P("b")), P())
+  grads = lambda f: jax.vmap(jax.grad(f, (0, 1)), (0, None))  # noqa: E731
+  same(grads(ours)(xs, W), grads(theirs)(xs, W))
+
+
+@case
+def grad_through_an_identity_output_and_an_integer_output():
+  fn = lambda x, i: (x, i * 2, (x * x).sum())  # noqa: E731
+  ours, theirs = both(fn, (P("a", "b"), P()))
+  grad = lambda f: jax.grad(lambda x: f(x, 3)[0].sum() + f(x, 3)[2])  # noqa: E731
+  same(grad(ours)(X), grad(theirs)(X))
+
+
+@case
+def committed_primals_and_cotangents_sharded_otherwise():
+  """A primal or a cotangent committed to another sharding than the partitioned function's:
+  spmd reshards it (eagerly, under jax.jit, and in the VJP) where jax.jit's VJP refuses the
+  cotangent; the values and gradients' shardings are jax.jit's for uncommitted ones."""
+  mesh = get_mesh(MESH)
+  loss = lambda x, w: jnp.mean(jnp.tanh(x @ w) ** 2)  # noqa: E731
+  ours, theirs = both(loss, (P("a", "b"), P("b")), P())
+  x = jax.device_put(X, NamedSharding(mesh, P("b", "a")))
+  want = jax.grad(theirs, (0, 1))(X, W)
+  same(jax.grad(ours, (0, 1))(x, W), want)
+  same(jax.jit(jax.grad(ours, (0, 1)))(x, W), want)
+  ours, theirs = both(mlp, (P("a"), P(None, "b")), (P("a", "b"), P("a")))
+  ct = randn(8, 8, seed=5)
+  committed = (jax.device_put(ct, NamedSharding(mesh, P(None, "a"))), randn(8, seed=6))
+  with pytest.raises(ValueError, match="Sharding passed to jit does not match"):
+    jax.vjp(theirs, X, W)[1](committed)
+  same(jax.vjp(ours, X, W)[1](committed), jax.vjp(theirs, X, W)[1]((ct, committed[1])),
        shardings=False)
 
 
