@@ -21,7 +21,7 @@ import spmd
 from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, check_jit,
                      check_plan, get_mesh, named, randn)
 
-CASES: list[Callable[[], None]] = []
+CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
@@ -565,6 +565,41 @@ def zeros_and_arange_placed_by_device_inside():
   check_jit(fn, (X,), P("a"), MESH)
 
 
+@case
+def key_data_and_wrap_key_data_on_sharded_keys():
+  def fn(keys):
+    data = jax.random.key_data(keys)
+    again = jax.random.wrap_key_data(data + 1)
+    return jax.vmap(lambda k: jax.random.uniform(k, (4,)))(again), data
+  check_jit(fn, (jax.random.split(jax.random.key(1), 8),), P("a"), MESH, (P("a", "b"), P("b")))
+
+
+@case
+def scan_carrying_a_key_with_a_constraint_on_the_other_carry():
+  mesh = get_mesh(MESH)
+
+  def fn(key, x):
+    def step(c, row):
+      k, acc = c
+      k, sub = jax.random.split(k)
+      acc = lax.with_sharding_constraint(acc + row * jax.random.normal(sub, row.shape),
+                                         NamedSharding(mesh, P("b")))
+      return (k, acc), acc.sum()
+    return lax.scan(step, (key, jnp.zeros(16)), x)
+  check_jit(fn, (jax.random.key(2), X), (P(), P(None, "b")), MESH)
+
+
+@case
+def grad_of_a_function_calling_a_partitioned_function_partitioned():
+  mesh = get_mesh(MESH)
+  inner = spmd.partition(lambda x, w: jnp.tanh(x @ w), mesh=mesh, in_specs=(P("a"), P(None, "b")))
+  outer = lambda f: lambda x, w: (f(x * 2, w) ** 2).sum()  # noqa: E731
+  reference = outer(lambda x, w: jnp.tanh(x @ w))
+  g = spmd.partition(jax.grad(outer(inner), (0, 1)), mesh=mesh, in_specs=(P("b"), P()))
+  w = W * 0.3
+  same(g(X, w), jax.grad(reference, (0, 1))(X, w), shardings=False)
+
+
 # --- shard_map bodies inside a partitioned function -----------------------------------------------
 
 def smap(body: Callable, in_specs: Any, out_specs: Any, **kwargs: Any) -> Callable:
@@ -773,6 +808,53 @@ def shard_map_axes_in_reverse_order_and_replicated_over_one():
   check_jit(f, (randn(16, seed=2), X), (P("a"), P("b")), MESH)
 
 
-@pytest.mark.parametrize("run", CASES, ids=[c.__name__ for c in CASES])
+@case
+def shard_map_typed_keys_in_and_out():
+  """Typed key arrays through a shard_map body (drawn from, split and returned): spmd typed the
+  body's key results back with a select, which XLA's lowering of key selects refused."""
+  def fn(keys, x):
+    def body(k, v):
+      return v + jax.random.normal(k[0], v.shape), jax.random.split(k[0], 1)
+    return smap(body, (P(("a", "b")), P(("a", "b"))), (P(("a", "b")), P(("a", "b"))))(keys, x)
+  check_jit(fn, (jax.random.split(jax.random.key(1), 8), X), (P("a"), P("b")), MESH)
+
+
+def psum_body_fn(x, w):
+  return smap(lambda b, v: lax.psum(jnp.tanh(b @ v), "b"), (P("a", "b"), P("b")), P("a"))(x, w)
+
+
+@case
+def grad_of_a_partitioned_function_with_a_shard_map():
+  loss = lambda x, w: (psum_body_fn(x, w) ** 2).mean()  # noqa: E731
+  ours, theirs = both(loss, (P("a", "b"), P("b")))
+  same(jax.grad(ours, (0, 1))(X, W), jax.grad(theirs, (0, 1))(X, W))
+
+
+@case
+def vmap_of_a_partitioned_function_with_an_unchecked_shard_map():
+  def fn(x, w):
+    return smap(lambda b, v: lax.psum(jnp.tanh(b @ v), "b"), (P("a", "b"), P("b")), P("a"),
+                check_vma=False)(x, w)
+  ours, theirs = both(fn, (P("a", "b"), P("b")))
+  xs = randn(3, 8, 16, seed=2)
+  same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
+
+
+def vmap_of_a_partitioned_function_with_a_checked_shard_map():
+  ours, theirs = both(psum_body_fn, (P("a", "b"), P("b")))
+  xs = randn(3, 8, 16, seed=2)
+  same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
+
+
+CASES.append(pytest.param(
+    vmap_of_a_partitioned_function_with_a_checked_shard_map, marks=pytest.mark.xfail(
+        strict=True, raises=ValueError,
+        reason="spmd inlines a checked (check_vma=True) body, its psum_invariant included, into "
+               "its own unchecked shard_map; jax.vmap re-traces that shard_map unchecked, where "
+               "values carry no varying axes and psum_invariant refuses its operand")))
+
+
+@pytest.mark.parametrize("run", CASES, ids=[getattr(c, "__name__", None) or c.values[0].__name__
+                                         for c in CASES])
 def test_case(run: Callable[[], None]) -> None:
   run()
