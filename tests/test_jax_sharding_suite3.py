@@ -18,8 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, check_jit,
-                     check_plan, get_mesh, named, randn)
+from helpers import (assert_like_jit, assert_trees_match, check_jit, check_plan, get_mesh, named,
+                     randn)
 
 CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"
@@ -431,7 +431,7 @@ def committed_primals_and_cotangents_sharded_otherwise():
        shardings=False)
 
 
-# --- pjit themes -----------------------------------------------------------------------------------
+# --- pjit themes ----------------------------------------------------------------------------------
 
 @case
 def one_spec_prefix_for_a_dict_and_a_tuple_of_outputs():
@@ -847,14 +847,15 @@ def vmap_of_a_partitioned_function_with_a_checked_shard_map():
 
 
 CASES.append(pytest.param(
-    vmap_of_a_partitioned_function_with_a_checked_shard_map, marks=pytest.mark.xfail(
+    vmap_of_a_partitioned_function_with_a_checked_shard_map,
+    id=vmap_of_a_partitioned_function_with_a_checked_shard_map.__name__, marks=pytest.mark.xfail(
         strict=True, raises=ValueError,
         reason="spmd inlines a checked (check_vma=True) body, its psum_invariant included, into "
                "its own unchecked shard_map; jax.vmap re-traces that shard_map unchecked, where "
                "values carry no varying axes and psum_invariant refuses its operand")))
 
 
-@pytest.mark.parametrize("run", CASES, ids=[getattr(c, "__name__", None) or c.values[0].__name__
-                                         for c in CASES])
+@pytest.mark.parametrize("run", [c if not callable(c) else pytest.param(c, id=c.__name__)
+                                 for c in CASES])
 def test_case(run: Callable[[], None]) -> None:
   run()
