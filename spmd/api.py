@@ -206,6 +206,9 @@ class Partitioned:
     self._mesh_shape = mesh_shape(mesh)
     self._given_rules = None if rules is None else AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
+    # by argument structure, avals, static values and rules: a new committed sharding of the
+    # same avals plans again without tracing again, as jax.jit compiles again without tracing
+    self._traces: dict[Any, tuple] = {}
     self._dispatch: dict[Any, _Compiled] = {}  # by argument structure, avals, shardings
     self._steady: dict[Any, _Steady] = {}  # by argument structure and static values
     self._graph_calls: dict[Any, Partitioned] = {}
@@ -378,24 +381,12 @@ class Partitioned:
       out_store.append((out_tree, graph_out))
       return out_leaves
 
-    # Traced under the mesh (its own axis types: bare-spec constraints and Explicit-mode
-    # ``out_sharding=`` trace); on an Auto mesh on avals without shardings (a committed
-    # argument's sharding is a spec like any other), on an Explicit one typed as jax.jit types
-    # committed arguments where JAX's typing takes the function.
-    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
-      try:
-        closed = self._trace_typed(flat_fun, avals, given, arrivals)
-        types = None if closed is None else tuple(
-            NamedSharding(self.mesh, a.sharding.spec) for a in closed.out_avals)
-        if closed is None:
-          closed = jax.make_jaxpr(flat_fun)(*unsharded)
-      except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
-        clearer = restate_spec_error(e, self._mesh_shape) or restate_unbound_axis(e)
-        if clearer is None:
-          raise
-        raise clearer from None
-    out_tree, graph_out = out_store[-1]
+    explicit = AxisType.Explicit in self.mesh.axis_types
+    trace_key = (in_tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals), statics,
+                 self._rules.rules, (avals, given, arrivals) if explicit else None)
+    if trace_key not in self._traces:
+      self._traces[trace_key] = (*self._trace(flat_fun, avals, given, arrivals), *out_store[-1])
+    closed, types, out_tree, graph_out = self._traces[trace_key]
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
     requests = self._out_requests(out_tree, program, types)
     outputs = self._output_specs(requests, out_tree, program)
@@ -426,16 +417,39 @@ class Partitioned:
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
     donated_args = {i % len(args) for i in self.donate_argnums}
-    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis), out_tree,
-                     steady, watched, graph_out, in_tree,
+    in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
+                         zip(requested, analysis.schedule.inputs, program.inputs))
+    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis, in_shardings),
+                     out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
-                     tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
-                           zip(requested, analysis.schedule.inputs, program.inputs))
-                     if even else None, out_shardings)
+                     in_shardings if even else None, out_shardings)
 
-  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
+  def _trace(self, flat_fun: Callable, avals: tuple, given: tuple,
+             arrivals: tuple) -> tuple[Any, tuple[NamedSharding, ...] | None]:
+    """The function's closed jaxpr and, on an Explicit mesh, its outputs' types. Traced under
+    the mesh (its own axis types: bare-spec constraints and Explicit-mode ``out_sharding=``
+    trace); on an Auto mesh on avals without shardings (a committed argument's sharding is a
+    spec like any other), on an Explicit one typed as jax.jit types committed arguments where
+    JAX's typing takes the function."""
+    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
+      try:
+        closed = self._trace_typed(flat_fun, avals, given, arrivals)
+        if closed is not None:
+          return closed, tuple(NamedSharding(self.mesh, a.sharding.spec)
+                               for a in closed.out_avals)
+        return jax.make_jaxpr(flat_fun)(*unsharded), None
+      except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
+        clearer = restate_spec_error(e, self._mesh_shape) or restate_unbound_axis(e)
+        if clearer is None:
+          raise
+        raise clearer from None
+
+  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis,
+                      in_shardings: tuple[NamedSharding, ...]) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
-    cotangents sharded like the inputs, outputs' like the outputs)."""
+    cotangents sharded like the inputs, outputs' like the outputs). The inputs' cotangents come
+    back with ``in_shardings`` (the inputs' shardings as ``jax.jit`` spells them)."""
     in_specs = [s.to_spec() for s in analysis.schedule.inputs]
     out_specs = [s.to_spec() for s in analysis.schedule.outputs]
     program = analysis.program
@@ -456,9 +470,14 @@ class Partitioned:
         all_cts[j] = ct
       return list(vjp(all_cts))
 
+    # Traced leaves (under jax.vmap, say) hide their committed shardings, which jax.jit's
+    # in_shardings would refuse where they differ: inside a jit without in_shardings, the
+    # program's in_shardings constrain its operands instead (XLA reshards them on entry).
+    any_sharding = jax.jit(fn)
+
     @jax.custom_vjp
     def call(*leaves: Any) -> Any:
-      return fn(*leaves)
+      return any_sharding(*leaves)
 
     def fwd(*leaves: Any) -> tuple:
       # Under an eager jax.grad the primals are concrete: one committed with another sharding
@@ -477,7 +496,7 @@ class Partitioned:
             ([in_specs[i] for i in in_diff],
              [s for i, s in enumerate(in_specs) if i not in in_diff],
              [out_specs[j] for j in out_diff]),
-            [in_specs[i] for i in in_diff], (), (), self.backend))
+            [in_shardings[i] for i in in_diff], (), (), self.backend))
       grads = backward[0]([leaves[i] for i in in_diff],
                           [x for i, x in enumerate(leaves) if i not in in_diff],
                           [cts[j] for j in out_diff])

@@ -132,6 +132,22 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   return plan
 
 
+def check_jit(fn: Callable, args: tuple, in_specs: Any, mesh: Any, out_specs: Any = None,
+              **options: Any) -> spmd.Plan:
+  """``assert_partitioned_matches`` with ``jax.jit`` (the same shardings, traced under the mesh
+  as JAX's tests do) as the reference: its values, and its outputs' shardings, dtypes and weak
+  types (``assert_like_jit``). Returns the plan."""
+  mesh = as_mesh(mesh)
+  with jax.set_mesh(mesh):
+    want = jax.jit(fn, in_shardings=named(mesh, in_specs),
+                   out_shardings=named(mesh, out_specs))(*args)
+  plan = assert_partitioned_matches(fn, args, in_specs, mesh, out_specs,
+                                    reference=lambda *_: want, **options)
+  got = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+  assert_like_jit(got, want)
+  return plan
+
+
 def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:
   """assert_partitioned_matches's other checks, for a function whose values a test compared
   itself (a loop of training steps, NNX modules updated in place): the plan moves the compiled
@@ -158,9 +174,10 @@ def assert_like_jit(got: Any, want: Any) -> None:
   got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
   assert len(got_leaves) == len(want_leaves)
   for k, (g, w) in enumerate(zip(got_leaves, want_leaves)):
-    assert (g.sharding, g.dtype, g.weak_type) == (w.sharding, w.dtype, w.weak_type), (
-        f"leaf {k}: {g.sharding}, {g.dtype}, weak {g.weak_type} != jax.jit's {w.sharding}, "
-        f"{w.dtype}, weak {w.weak_type}")
+    got_weak, want_weak = jax.typeof(g).weak_type, jax.typeof(w).weak_type  # keys have no attr
+    assert (g.sharding, g.dtype, got_weak) == (w.sharding, w.dtype, want_weak), (
+        f"leaf {k}: {g.sharding}, {g.dtype}, weak {got_weak} != jax.jit's {w.sharding}, "
+        f"{w.dtype}, weak {want_weak}")
 
 
 def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (as_mesh, assert_like_jit, assert_partitioned_matches, assert_trees_match,
+from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, check_jit,
                      get_mesh, named, randn)
 
 CASES: list[Callable[[], None]] = []
@@ -31,21 +31,6 @@ def case(fn: Callable[[], None]) -> Callable[[], None]:
 def explicit_mesh() -> jax.sharding.Mesh:
   """JAX's default mesh today: jax.make_mesh's axes are Explicit."""
   return jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
-
-
-def check_jit(fn: Callable, args: tuple, in_specs: Any, mesh: Any, out_specs: Any = None,
-              **options: Any) -> spmd.Plan:
-  """helpers' one check with ``jax.jit`` (the same shardings, traced under the mesh as JAX's
-  tests do) as the reference: its values, and its outputs' shardings, dtypes and weak types."""
-  mesh = as_mesh(mesh)
-  with jax.set_mesh(mesh):
-    want = jax.jit(fn, in_shardings=named(mesh, in_specs),
-                   out_shardings=named(mesh, out_specs))(*args)
-  plan = assert_partitioned_matches(fn, args, in_specs, mesh, out_specs,
-                                    reference=lambda *_: want, **options)
-  got = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
-  assert_like_jit(got, want)
-  return plan
 
 
 X, W = randn(8, 16), randn(16, 8, seed=1)

@@ -104,9 +104,13 @@ def vary(x: Any, axes: tuple[str, ...]) -> Any:
 def unvaried(x: Any) -> Any:
   """``x`` typed as spmd's own unchecked program types its values, varying over no axis
   (control flow compares its branches' and carries' types): a select of one case, which lowers
-  to nothing and, unchecked, gives an n-ary op's type."""
+  to nothing and, unchecked, gives an n-ary op's type. A key array through its key data (XLA
+  lowers no select of keys with one case)."""
   if not jax.typeof(x).mat.varying:
     return x
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(unvaried(jax.random.key_data(x)),
+                                    impl=jax.random.key_impl(x))
   return jax.lax.select_n_p.bind(np.zeros((), bool), x)
 
 
