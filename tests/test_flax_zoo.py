@@ -1,0 +1,147 @@
+"""flax's own examples, a fourth round (google/flax examples/ and the NNX guides), small and
+written as their users write them, run through spmd.partition on the ("data", "model") meshes:
+layers the earlier rounds left out (depthwise and circular convolutions, transposed
+convolutions, GroupNorm, Dropout with broadcast dims, SpectralNorm / WeightNorm, attention masks,
+nnx.Einsum / LinearGeneral / RMSNorm), wmt's beam search, a Gemma-style sampler with
+temperature and top-p, and the NNX toy examples (parameter surgery, FSDP with an optimizer).
+Each is checked against the unpartitioned step, step by step where a loop feeds the state back
+(helpers.train_loop / nnx_steps / check_plan)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
+                     nnx_steps, randn, train_loop)
+
+
+# --- linen convolution zoo: depthwise + circular, transposed, GroupNorm, broadcast dropout -------
+
+class ConvZoo(nn.Module):
+  """A MobileNet-style depthwise block with circular padding, GroupNorm, dropout whose mask is
+  shared along the width (``broadcast_dims``), and a transposed convolution upsampling back."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Conv(8, (3, 3), padding="SAME")(x)
+    x = nn.Conv(8, (3, 3), feature_group_count=8, padding="CIRCULAR")(x)  # depthwise
+    x = nn.GroupNorm(num_groups=4)(x)
+    x = nn.Dropout(0.25, broadcast_dims=(2,), deterministic=not train)(nn.swish(x))
+    x = nn.ConvTranspose(4, (2, 2), strides=(2, 2))(x)
+    x = nn.WeightNorm(nn.Conv(3, (1, 1)))(x)
+    return x
+
+
+def conv_zoo_step(state, images, targets, key):
+  def loss_fn(params):
+    out = state.apply_fn({"params": params}, images, True, rngs={"dropout": key})
+    return jnp.mean((out - targets) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6), ("2x4", 8)])
+def test_linen_depthwise_circular_transposed_conv_groupnorm(mesh, batch):
+  model = ConvZoo()
+  images = randn(batch, 8, 8, 3)
+  params = jax.jit(model.init, static_argnums=2)(jax.random.key(0), images, False)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  keys = jax.random.split(jax.random.key(1), 3)
+  batches = [(randn(batch, 8, 8, 3, seed=s), randn(batch, 16, 16, 3, seed=s + 5), keys[s])
+             for s in range(3)]
+  step = spmd.partition(conv_zoo_step, mesh=mesh_of(mesh),
+                        in_specs=(None, P("data"), P("data"), P()))
+  plan = train_loop(jax.jit(conv_zoo_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
+  assert {c.axes for c in plan.collectives} <= {("data",), ("data", "model")}
+
+
+@pytest.mark.parametrize("mesh,batch,height", [("2x4", 2, 8), ("1x8", 1, 12)])
+def test_linen_conv_zoo_eval_with_rows_split(mesh, batch, height):
+  """The image's rows over "model" (12 rows over 8: uneven): the circular padding wraps the
+  first and last shards' halos around, the transposed convolution's rows stay local."""
+  model = ConvZoo()
+  images = randn(batch, height, 8, 3)
+  params = jax.jit(model.init, static_argnums=2)(jax.random.key(0), images, False)["params"]
+  apply = lambda params, images: model.apply({"params": params}, images, False)
+  plan = assert_partitioned_matches(apply, (params, images), (None, P("data", "model")),
+                                    mesh_of(mesh), out_specs=P("data", "model"), rtol=1e-4,
+                                    atol=1e-5)
+  assert {c.kind for c in plan.collectives} <= {"collective-permute", "all-reduce"}
+
+
+# --- linen attention with flax's masks, a tied embedding and SpectralNorm, by logical rules ------
+
+ATTN_RULES = (("batch", "data"), ("vocab", "model"), ("heads", "model"), ("mlp", "model"),
+              ("embed", None), ("length", None))
+
+
+def logical(init, names):
+  return nn.with_logical_partitioning(init, names)
+
+
+class MaskedDecoder(nn.Module):
+  """Self-attention under ``make_causal_mask`` & ``make_attention_mask`` of the padding (combined
+  by ``combine_masks``), an MLP whose output kernel is spectrally normalised (its power
+  iteration's vector in "batch_stats"), and logits from the embedding table (``Embed.attend``)."""
+  vocab: int = 24
+  dim: int = 16
+
+  @nn.compact
+  def __call__(self, tokens, train: bool):
+    embed = nn.Embed(self.vocab, self.dim,
+                     embedding_init=logical(nn.initializers.normal(1.0), ("vocab", "embed")))
+    x = nn.with_logical_constraint(embed(tokens), ("batch", "length", "embed"))
+    mask = nn.combine_masks(nn.make_causal_mask(tokens),
+                            nn.make_attention_mask(tokens > 0, tokens > 0))
+    kernel = nn.initializers.lecun_normal()
+    # DenseGeneral draws and constrains its kernel flattened to 2-D: two names. No biases, as
+    # lm1b's: the key bias's gradient is zero but for rounding, which Adam would scale up
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=4, use_bias=False, kernel_init=logical(kernel, ("embed", "heads")),
+        out_kernel_init=logical(kernel, ("heads", "embed")))(nn.LayerNorm()(x), mask=mask)
+    h = nn.gelu(nn.Dense(32, kernel_init=logical(kernel, ("embed", "mlp")))(x))
+    # a plain kernel: SpectralNorm's path walk fails on a boxed one (flax 0.12)
+    x = x + nn.SpectralNorm(nn.Dense(self.dim))(h, update_stats=train)
+    return embed.attend(nn.LayerNorm()(x))
+
+
+class SpectralState(train_state.TrainState):
+  batch_stats: dict
+
+
+def masked_lm_step(state, tokens):
+  def loss_fn(params):
+    logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                     tokens[:, :-1], True, mutable=["batch_stats"])
+    weights = tokens[:, 1:] > 0
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return jnp.sum(loss * weights) / jnp.sum(weights), updates["batch_stats"]
+
+  (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads).replace(batch_stats=stats), loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+def test_linen_attention_masks_tied_embedding_spectral_norm(mesh, batch):
+  model = MaskedDecoder()
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (batch, 9)), jnp.int32)
+  tokens = tokens.at[0, 6:].set(0)  # padding: masked keys, unweighted targets
+  variables = jax.jit(model.init, static_argnums=2)(jax.random.key(0), tokens[:, :-1], False)
+  # lm1b's way: the state made from boxed params, its specs read off the boxes' logical names
+  boxed = SpectralState.create(apply_fn=model.apply, params=variables["params"],
+                               tx=optax.adamw(1e-2), batch_stats=variables["batch_stats"])
+  state, state_specs = nn.unbox(boxed), nn.get_partition_spec(boxed)
+  batches = [(jnp.roll(tokens, s, axis=1),) for s in range(3)]
+  step = spmd.partition(masked_lm_step, mesh=mesh_of(mesh), in_specs=(state_specs, P("batch")),
+                        rules=ATTN_RULES)
+  plan = train_loop(jax.jit(masked_lm_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
+  model_size = dict(mesh_of(mesh).shape)["model"]
+  assert plan.in_specs[0].params["Embed_0"]["embedding"] == P("model" if model_size > 1 else None, None)
