@@ -234,3 +234,113 @@ def test_nnx_lm1b_linear_general_einsum_rmsnorm_dropout_keys(mesh, batch):
   if mesh == "2x4":  # on 1x8 the uneven heads come back whole, resharded on entry
     assert specs["blocks"][0]["qkv"][0]["kernel"].get_value() == P(None, "model", None)
     assert specs["blocks"][0]["up"]["kernel"].get_value() == P(None, "model")
+
+
+# --- wmt: an encoder-decoder translated by beam search (a while loop over beam states) -----------
+
+WMT_RULES = (("batch", "data"), ("vocab", None), ("mlp", "model"), ("embed", None))
+WMT_VOCAB, EOS, BEAMS = 12, 6, 3  # EOS: a token the untrained model favours, so beams end
+
+
+class Translator(nn.Module):
+  """wmt's Transformer, one layer each side: a shared embedding, the decoder's causal self
+  attention and cross attention over the encoding, logits from the embedding table."""
+
+  def setup(self):
+    self.embed = nn.Embed(WMT_VOCAB, 16, embedding_init=logical(nn.initializers.normal(1.0),
+                                                                ("vocab", "embed")))
+    kernel = nn.initializers.lecun_normal()
+    self.encoder_mlp = [nn.Dense(32, kernel_init=logical(kernel, ("embed", "mlp"))),
+                        nn.Dense(16, kernel_init=logical(kernel, ("mlp", "embed")))]
+    self.self_attention = nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False)
+    self.cross_attention = nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False)
+    self.norm = nn.LayerNorm()
+
+  def encode(self, inputs):
+    x = self.embed(inputs)
+    return x + self.encoder_mlp[1](nn.relu(self.encoder_mlp[0](x)))
+
+  def decode(self, encoded, inputs, targets):
+    y = self.embed(targets)
+    y = y + self.self_attention(y, mask=nn.make_causal_mask(targets))
+    cross_mask = nn.make_attention_mask(targets >= 0, inputs > 0)
+    y = y + self.cross_attention(self.norm(y), encoded, mask=cross_mask)
+    return self.embed.attend(self.norm(y))
+
+  def __call__(self, inputs, targets):
+    return self.decode(self.encode(inputs), inputs, targets)
+
+
+def beam_search(params, inputs, max_len: int):
+  """wmt's beam search, simplified: every step scores BEAMS * vocab continuations of the live
+  beams (``lax.top_k`` over the flattened beam * vocab dim), gathers the chosen beams' sequences
+  with ``take_along_axis``, keeps the best live and finished beams (length-normalised), and
+  stops once no live beam can beat the worst finished one."""
+  model = Translator()
+  batch = inputs.shape[0]
+  encoded = model.apply(params, inputs, method=Translator.encode)
+  # each example's encoding repeated for its beams, flattened into the batch
+  flat_encoded = jnp.repeat(encoded, BEAMS, axis=0)
+  flat_inputs = jnp.repeat(inputs, BEAMS, axis=0)
+  penalty = lambda length: ((5.0 + length) / 6.0) ** 0.6
+  alive_seqs = jnp.zeros((batch, BEAMS, max_len), jnp.int32)
+  alive_logp = jnp.tile(jnp.array([0.0] + [-1e7] * (BEAMS - 1)), (batch, 1))
+  finished = (jnp.zeros((batch, BEAMS, max_len), jnp.int32), jnp.full((batch, BEAMS), -1e7),
+              jnp.zeros((batch, BEAMS), bool))
+
+  def cond(state):
+    i, _, alive_logp, (_, finished_scores, flags) = state
+    best_alive = alive_logp[:, 0] / penalty(max_len)
+    worst_finished = jnp.where(jnp.all(flags, axis=1), jnp.min(finished_scores, axis=1), -1e7)
+    return (i < max_len - 1) & ~jnp.all(worst_finished > best_alive)
+
+  def body(state):
+    i, alive_seqs, alive_logp, (finished_seqs, finished_scores, flags) = state
+    logits = model.apply(params, flat_encoded, flat_inputs,
+                         alive_seqs.reshape(batch * BEAMS, max_len), method=Translator.decode)
+    logits = lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
+    logp = jax.nn.log_softmax(logits).reshape(batch, BEAMS, WMT_VOCAB)
+    candidates = (alive_logp[:, :, None] + logp).reshape(batch, BEAMS * WMT_VOCAB)
+    top_logp, top_index = lax.top_k(candidates, 2 * BEAMS)
+    beam, token = top_index // WMT_VOCAB, top_index % WMT_VOCAB
+    seqs = jnp.take_along_axis(alive_seqs, beam[:, :, None], axis=1)
+    seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i + 1))
+    ended = token == EOS
+    # live: the best BEAMS that did not end
+    live_logp, live = lax.top_k(jnp.where(ended, -1e7, top_logp), BEAMS)
+    alive_seqs = jnp.take_along_axis(seqs, live[:, :, None], axis=1)
+    # finished: the best BEAMS of the old finished and the newly ended
+    new_scores = jnp.where(ended, top_logp / penalty(i + 1), -1e7)
+    all_seqs = jnp.concatenate([finished_seqs, seqs], axis=1)
+    all_scores = jnp.concatenate([finished_scores, new_scores], axis=1)
+    all_flags = jnp.concatenate([flags, ended], axis=1)
+    finished_scores, best = lax.top_k(all_scores, BEAMS)
+    finished = (jnp.take_along_axis(all_seqs, best[:, :, None], axis=1), finished_scores,
+                jnp.take_along_axis(all_flags, best, axis=1))
+    return i + 1, alive_seqs, live_logp, finished
+
+  i, alive_seqs, alive_logp, (seqs, scores, flags) = lax.while_loop(
+      cond, body, (jnp.int32(0), alive_seqs, alive_logp, finished))
+  # examples with no finished beam return their live ones
+  any_finished = jnp.any(flags, axis=1)
+  seqs = jnp.where(any_finished[:, None, None], seqs, alive_seqs)
+  scores = jnp.where(any_finished[:, None], scores, alive_logp / penalty(max_len))
+  return seqs, scores, i
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+def test_wmt_beam_search_while_loop_top_k_take_along_axis(mesh, batch):
+  """The params by logical rules (the MLP over "model"), the sources over "data" (6 over 8:
+  uneven); the search's sequences, scores and step count match the unpartitioned search."""
+  model = Translator()
+  inputs = jnp.asarray(np.random.default_rng(3).integers(2, WMT_VOCAB, (batch, 5)), jnp.int32)
+  inputs = inputs.at[0, 3:].set(0)  # a padded source
+  variables = jax.jit(model.init)(jax.random.key(0), inputs, inputs)
+  params = nn.unbox(variables)
+  specs = nn.get_partition_spec(variables)
+  search = spmd.partition(beam_search, mesh=mesh_of(mesh), in_specs=(specs, P("batch")),
+                          static_argnums=2, rules=WMT_RULES)
+  want = jax.jit(beam_search, static_argnums=2)(params, inputs, 7)
+  assert_trees_match(search(params, inputs, 7), want, rtol=1e-4, atol=1e-5)
+  assert np.any(np.asarray(want[0]) == EOS)  # some beam finished: the finished set is exercised
+  check_plan(search, params, inputs, 7)
