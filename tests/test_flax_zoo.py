@@ -20,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
                      nnx_steps, randn, train_loop)
+from test_flax_workloads import GEMMA_RULES, HEAD_DIM, KV_HEADS, VOCAB, fresh_gemma
+
+EOS_TOKEN = 3  # the Gemma sampler's end token
 
 
 # --- linen convolution zoo: depthwise + circular, transposed, GroupNorm, broadcast dropout -------
@@ -344,3 +347,64 @@ def test_wmt_beam_search_while_loop_top_k_take_along_axis(mesh, batch):
   assert_trees_match(search(params, inputs, 7), want, rtol=1e-4, atol=1e-5)
   assert np.any(np.asarray(want[0]) == EOS)  # some beam finished: the finished set is exercised
   check_plan(search, params, inputs, 7)
+
+
+# --- gemma's sampler: a prefilled KV cache, then temperature + top-p sampling in a while loop ---
+
+def top_p_sample(logits, key, temperature: float, top_p: float):
+  """A token per row drawn from the smallest set of tokens whose probability reaches ``top_p``
+  (the probabilities sorted by ``lax.top_k``), at ``temperature``."""
+  probs = jax.nn.softmax(logits / temperature, axis=-1)
+  sorted_probs, order = lax.top_k(probs, probs.shape[-1])
+  kept = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+  choice = jax.random.categorical(key, jnp.log(jnp.where(kept, sorted_probs, 0.0)), axis=-1)
+  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def gemma_sample(model, prompt, key, steps: int, temperature: float, top_p: float):
+  """The prompt prefilled in one call (its keys and values written into the caches), then one
+  sampled token per trip of a while loop that stops when every sequence has sampled EOS_TOKEN;
+  each step's key is ``fold_in(key, index)``. Returns the tokens and the steps run."""
+  graphdef, state = nnx.split(model)
+  batch, prompt_len = prompt.shape
+  length = prompt_len + steps
+  caches = [(jnp.zeros((batch, length, KV_HEADS, HEAD_DIM)),) * 2 for _ in model.blocks]
+  positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
+  mask = jnp.broadcast_to(jnp.arange(length)[None, :] <= jnp.arange(prompt_len)[:, None],
+                          (batch, prompt_len, length))
+  logits, caches = model(prompt, positions, mask, caches, 0)
+  first = top_p_sample(logits[:, -1], jax.random.fold_in(key, prompt_len), temperature, top_p)
+  tokens = jnp.zeros((batch, length), jnp.int32).at[:, :prompt_len].set(prompt)
+  tokens = tokens.at[:, prompt_len].set(first)
+
+  def cond(carry):
+    index, _, _, done = carry
+    return (index < length - 1) & ~jnp.all(done)
+
+  def body(carry):
+    index, tokens, caches, done = carry
+    token = lax.dynamic_slice_in_dim(tokens, index, 1, axis=1)
+    mask = jnp.broadcast_to(jnp.arange(length) <= index, (batch, 1, length))
+    logits, caches = nnx.merge(graphdef, state)(token, jnp.full((batch, 1), index), mask,
+                                                caches, index)
+    sampled = top_p_sample(logits[:, 0], jax.random.fold_in(key, index + 1), temperature, top_p)
+    sampled = jnp.where(done, 0, sampled)
+    tokens = lax.dynamic_update_slice(tokens, sampled[:, None], (0, index + 1))
+    return index + 1, tokens, caches, done | (sampled == EOS_TOKEN)
+
+  index, tokens, _, _ = lax.while_loop(
+      cond, body, (jnp.int32(prompt_len), tokens, caches, first == EOS_TOKEN))
+  return tokens, index
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+def test_gemma_sampler_prefill_temperature_top_p_categorical(mesh, batch):
+  model = fresh_gemma()[0]
+  prompt = jnp.asarray(np.random.default_rng(4).integers(1, VOCAB, (batch, 3)), jnp.int32)
+  sample = spmd.partition(gemma_sample, mesh=mesh_of(mesh), in_specs=(None, P("batch"), P()),
+                          static_argnums=(3, 4, 5), rules=GEMMA_RULES)
+  args = (model, prompt, jax.random.key(5), 8, 0.8, 0.9)
+  want = nnx.jit(gemma_sample, static_argnums=(3, 4, 5))(*args)
+  assert_trees_match(sample(*args), want)
+  assert len(np.unique(np.asarray(want[0])[:, 3:])) > 2  # sampled, not one favourite token
+  check_plan(sample, *args)
