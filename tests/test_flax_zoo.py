@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -408,3 +409,127 @@ def test_gemma_sampler_prefill_temperature_top_p_categorical(mesh, batch):
   assert_trees_match(sample(*args), want)
   assert len(np.unique(np.asarray(want[0])[:, 3:])) > 2  # sampled, not one favourite token
   check_plan(sample, *args)
+
+
+# --- nnx_toy_examples: array leaves and parameter surgery; FSDP with a hand-written optimizer ----
+
+class ArrayLinear(nnx.Module):
+  """07_array_leaves' layer: plain array attributes, no Variables."""
+
+  def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+    self.w = jax.random.normal(rngs.params(), (din, dout)) * din ** -0.5
+    self.b = jnp.zeros((dout,))
+
+  def __call__(self, x):
+    return x @ self.w + self.b
+
+
+class SurgeryClassifier(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.count = jnp.array(0)  # an array leaf the step increments
+    self.backbone = ArrayLinear(16, 32, rngs)
+    self.head = ArrayLinear(32, 4, rngs)
+
+  def __call__(self, x):
+    self.count += 1
+    return self.head(nnx.relu(self.backbone(x)))
+
+
+def head_only(path, value):
+  """09_parameter_surgery's filter, inverted: the head's weights train, the backbone is frozen."""
+  return path[-1] in ("w", "b") and "head" in path
+
+
+def surgery_step(model, optimizer, x, labels):
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, head_only))(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def fresh_surgery():
+  model = SurgeryClassifier(nnx.Rngs(0))
+  model.backbone = ArrayLinear(16, 32, nnx.Rngs(7))  # the "pretrained" backbone swapped in
+  return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=head_only)
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6), ("2x4", 8)])
+def test_nnx_parameter_surgery_array_leaves_frozen_backbone(mesh, batch):
+  batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 4) for s in range(3)]
+  _, (model, _) = nnx_steps(surgery_step, fresh_surgery, mesh_of(mesh),
+                            (None, None, P("data"), P("data")), batches)
+  assert int(model.count) == 3
+  backbone = ArrayLinear(16, 32, nnx.Rngs(7))
+  assert_trees_match(nnx.state(model.backbone), nnx.state(backbone))  # frozen
+
+
+class MomentumState(nnx.Variable):
+  pass
+
+
+class FsdpSGD(nnx.Pytree):
+  """10_fsdp_and_optimizer's optimizer: a momentum per param, created with the param's metadata
+  (its sharding names), updated in place."""
+
+  def __init__(self, params: nnx.State, lr: float, decay: float = 0.9):
+    self.lr, self.decay = lr, decay
+    self.params = nnx.data(params)
+    self.momentum = nnx.data(jax.tree.map(
+        lambda p: MomentumState(jnp.zeros_like(p[...]), **p.get_metadata()), params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+  def update(self, grads: nnx.State):
+    def update_one(param, momentum, grad):
+      momentum[...] = self.decay * momentum[...] + (1 - self.decay) * grad[...]
+      param[...] -= self.lr * momentum[...]
+
+    jax.tree.map(update_one, self.params, self.momentum, grads,
+                 is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class FsdpMLP(nnx.Module):
+  """Kernels split over "data" (FSDP) and "model" (tensor parallel), as the toy's mesh rules."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.w1 = nnx.Param(init(rngs.params(), (8, 32)), out_sharding=("data", "model"))
+    self.b1 = nnx.Param(jnp.zeros((32,)), out_sharding=("model",))
+    self.w2 = nnx.Param(init(rngs.params(), (32, 2)), out_sharding=("model", None))
+
+  def __call__(self, x):
+    return nnx.relu(x @ self.w1 + self.b1) @ self.w2
+
+
+def fsdp_step(model, optimizer, x, y):
+  loss, grads = nnx.value_and_grad(lambda model: jnp.mean((model(x) - y) ** 2))(model)
+  optimizer.update(grads)
+  return loss
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+def test_nnx_fsdp_toy_hand_written_optimizer_created_under_set_mesh(mesh):
+  """Created as the toy creates them (nnx.jit under jax.set_mesh: the params and momenta
+  sharded eagerly by their names), trained with the batch over "data"."""
+  fsdp_axis = mesh_of(mesh).shape["data"] > 1
+  mesh = mesh_of(mesh)
+
+  def fresh():
+    @nnx.jit
+    def create():
+      model = FsdpMLP(nnx.Rngs(0))
+      return model, FsdpSGD(nnx.variables(model, nnx.Param), 0.05)
+
+    with jax.set_mesh(mesh):
+      return create()
+
+  batches = [(randn(8, 8, seed=s), randn(8, 2, seed=s + 3)) for s in range(3)]
+  plan, (model, optimizer) = nnx_steps(fsdp_step, fresh, mesh,
+                                       (None, None, P("data"), P("data")), batches)
+  fsdp = NamedSharding(mesh, P("data", "model"))  # on 1x8 the same as P(None, "model")
+  assert optimizer.momentum["w1"].get_value().sharding.is_equivalent_to(fsdp, 2)
+  assert model.w1.get_value().sharding.is_equivalent_to(fsdp, 2)
+  if fsdp_axis:  # w1 gathered over "data" for the forward pass, its gradient reduce-scattered
+    kinds = {(c.kind, c.axes) for c in plan.collectives}
+    assert {("all-gather", ("data",)), ("reduce-scatter", ("data",))} <= kinds
