@@ -512,7 +512,6 @@ def fsdp_step(model, optimizer, x, y):
 def test_nnx_fsdp_toy_hand_written_optimizer_created_under_set_mesh(mesh):
   """Created as the toy creates them (nnx.jit under jax.set_mesh: the params and momenta
   sharded eagerly by their names), trained with the batch over "data"."""
-  fsdp_axis = mesh_of(mesh).shape["data"] > 1
   mesh = mesh_of(mesh)
 
   def fresh():
@@ -530,6 +529,71 @@ def test_nnx_fsdp_toy_hand_written_optimizer_created_under_set_mesh(mesh):
   fsdp = NamedSharding(mesh, P("data", "model"))  # on 1x8 the same as P(None, "model")
   assert optimizer.momentum["w1"].get_value().sharding.is_equivalent_to(fsdp, 2)
   assert model.w1.get_value().sharding.is_equivalent_to(fsdp, 2)
-  if fsdp_axis:  # w1 gathered over "data" for the forward pass, its gradient reduce-scattered
+  if mesh.shape["data"] > 1:  # w1 gathered over "data" for the forward pass, its gradient reduce-scattered
     kinds = {(c.kind, c.axes) for c in plan.collectives}
     assert {("all-gather", ("data",)), ("reduce-scatter", ("data",))} <= kinds
+
+
+# --- 06_scan_over_layers with sharding names: the stacked params name a "layers" axis ----------
+
+SCAN_RULES = (("batch", "data"), ("layers", None), ("embed", None), ("mlp", "model"))
+
+
+class ScanLayer(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    self.norm = nnx.RMSNorm(16, rngs=rngs)
+    self.up = nnx.Linear(16, 32, rngs=rngs,
+                         kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)))
+    self.down = nnx.Linear(32, 16, rngs=rngs,
+                           kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.dropout(self.down(nnx.gelu(self.up(self.norm(x)))))
+
+
+class ScanStack(nnx.Module):
+  """Layers created by ``nnx.vmap`` (each its own dropout stream) and applied by ``nnx.scan``
+  over ``nnx.remat``, both adding "layers" to the stacked params' names."""
+
+  def __init__(self, layers: int, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+      return ScanLayer(rngs)
+
+    self.layers = create(rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.remat
+    def forward(x, layer):
+      return layer(x)
+
+    return self.head(forward(x, self.layers))
+
+
+def scan_stack_step(model, optimizer, x, labels):
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 8), ("1x8", 4)])
+def test_nnx_scan_over_layers_with_layers_axis_name_remat_dropout(mesh, batch):
+  def fresh():
+    with nnx.use_eager_sharding(False):  # the names stay metadata: spmd resolves them
+      model = ScanStack(3, nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 4) for s in range(3)]
+  plan, _ = nnx_steps(scan_stack_step, fresh, mesh_of(mesh),
+                      (None, None, P("batch"), P("batch")), batches, rules=SCAN_RULES)
+  assert plan.in_specs[0][0]["layers"]["up"]["kernel"].get_value() == P(None, None, "model")
