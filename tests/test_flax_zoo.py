@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 from flax.training import train_state
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -52,7 +51,7 @@ def conv_zoo_step(state, images, targets, key):
   return state.apply_gradients(grads=grads), loss
 
 
-@pytest.mark.parametrize("mesh,batch", [("8x1", 6), ("2x4", 8)])
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
 def test_linen_depthwise_circular_transposed_conv_groupnorm(mesh, batch):
   model = ConvZoo()
   images = randn(batch, 8, 8, 3)
@@ -67,7 +66,7 @@ def test_linen_depthwise_circular_transposed_conv_groupnorm(mesh, batch):
   assert {c.axes for c in plan.collectives} <= {("data",), ("data", "model")}
 
 
-@pytest.mark.parametrize("mesh,batch,height", [("2x4", 2, 8), ("1x8", 1, 12)])
+@pytest.mark.parametrize("mesh,batch,height", [("1x8", 1, 12)])
 def test_linen_conv_zoo_eval_with_rows_split(mesh, batch, height):
   """The image's rows over "model" (12 rows over 8: uneven): the circular padding wraps the
   first and last shards' halos around, the transposed convolution's rows stay local."""
@@ -133,7 +132,7 @@ def masked_lm_step(state, tokens):
   return state.apply_gradients(grads=grads).replace(batch_stats=stats), loss
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_linen_attention_masks_tied_embedding_spectral_norm(mesh, batch):
   model = MaskedDecoder()
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (batch, 9)), jnp.int32)
@@ -147,8 +146,8 @@ def test_linen_attention_masks_tied_embedding_spectral_norm(mesh, batch):
   step = spmd.partition(masked_lm_step, mesh=mesh_of(mesh), in_specs=(state_specs, P("batch")),
                         rules=ATTN_RULES)
   plan = train_loop(jax.jit(masked_lm_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
-  model_size = dict(mesh_of(mesh).shape)["model"]
-  assert plan.in_specs[0].params["Embed_0"]["embedding"] == P("model" if model_size > 1 else None, None)
+  vocab_axis = "model" if mesh_of(mesh).shape["model"] > 1 else None
+  assert plan.in_specs[0].params["Embed_0"]["embedding"] == P(vocab_axis, None)
 
 
 # --- lm1b_nnx-style LM: nnx.LinearGeneral heads, nnx.Einsum MLP, nnx.RMSNorm, dropout keys -------
@@ -225,19 +224,21 @@ def fresh_zoo_lm():
     return model, nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.1), wrt=nnx.Param)
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("1x8", 4)])
+@pytest.mark.parametrize("mesh,batch", [("1x8", 4)])
 def test_nnx_lm1b_linear_general_einsum_rmsnorm_dropout_keys(mesh, batch):
-  """1x8 puts the 4 heads over 8 shards (uneven)."""
+  """The 4 heads over 8 shards (uneven), the vocabulary and the MLP over 8."""
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (batch, 9)), jnp.int32)
   tokens = tokens.at[0, 6:].set(0)
   keys = jax.random.split(jax.random.key(2), 3)
   batches = [(jnp.roll(tokens, s, axis=1), keys[s]) for s in range(3)]
   plan, (model, _) = nnx_steps(lm1b_nnx_train_step, fresh_zoo_lm, mesh_of(mesh),
                                (None, None, P("batch"), P()), batches, rules=LM_RULES)
-  specs = plan.in_specs[0][0]
-  if mesh == "2x4":  # on 1x8 the uneven heads come back whole, resharded on entry
-    assert specs["blocks"][0]["qkv"][0]["kernel"].get_value() == P(None, "model", None)
-    assert specs["blocks"][0]["up"]["kernel"].get_value() == P(None, "model")
+  # the even MLP kernel stays split; the uneven heads come back whole (JAX arrays cannot hold
+  # uneven shards) and are split again on entry to the next step
+  block = plan.in_specs[0][0]["blocks"][0]
+  assert block["up"]["kernel"].get_value() == P(None, "model")
+  assert block["qkv"][0]["kernel"].get_value() == P(None, None, None)
+  assert any("resharded inside the program" in w for w in plan.warnings)
 
 
 # --- wmt: an encoder-decoder translated by beam search (a while loop over beam states) -----------
@@ -332,7 +333,7 @@ def beam_search(params, inputs, max_len: int):
   return seqs, scores, i
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_wmt_beam_search_while_loop_top_k_take_along_axis(mesh, batch):
   """The params by logical rules (the MLP over "model"), the sources over "data" (6 over 8:
   uneven); the search's sequences, scores and step count match the unpartitioned search."""
@@ -398,7 +399,7 @@ def gemma_sample(model, prompt, key, steps: int, temperature: float, top_p: floa
   return tokens, index
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 4), ("8x1", 6)])
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_gemma_sampler_prefill_temperature_top_p_categorical(mesh, batch):
   model = fresh_gemma()[0]
   prompt = jnp.asarray(np.random.default_rng(4).integers(1, VOCAB, (batch, 3)), jnp.int32)
@@ -455,7 +456,7 @@ def fresh_surgery():
   return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=head_only)
 
 
-@pytest.mark.parametrize("mesh,batch", [("8x1", 6), ("2x4", 8)])
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
 def test_nnx_parameter_surgery_array_leaves_frozen_backbone(mesh, batch):
   batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 4) for s in range(3)]
   _, (model, _) = nnx_steps(surgery_step, fresh_surgery, mesh_of(mesh),
@@ -508,7 +509,7 @@ def fsdp_step(model, optimizer, x, y):
   return loss
 
 
-@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+@pytest.mark.parametrize("mesh", ["2x4"])
 def test_nnx_fsdp_toy_hand_written_optimizer_created_under_set_mesh(mesh):
   """Created as the toy creates them (nnx.jit under jax.set_mesh: the params and momenta
   sharded eagerly by their names), trained with the batch over "data"."""
@@ -526,12 +527,11 @@ def test_nnx_fsdp_toy_hand_written_optimizer_created_under_set_mesh(mesh):
   batches = [(randn(8, 8, seed=s), randn(8, 2, seed=s + 3)) for s in range(3)]
   plan, (model, optimizer) = nnx_steps(fsdp_step, fresh, mesh,
                                        (None, None, P("data"), P("data")), batches)
-  fsdp = NamedSharding(mesh, P("data", "model"))  # on 1x8 the same as P(None, "model")
-  assert optimizer.momentum["w1"].get_value().sharding.is_equivalent_to(fsdp, 2)
-  assert model.w1.get_value().sharding.is_equivalent_to(fsdp, 2)
-  if mesh.shape["data"] > 1:  # w1 gathered over "data" for the forward pass, its gradient reduce-scattered
-    kinds = {(c.kind, c.axes) for c in plan.collectives}
-    assert {("all-gather", ("data",)), ("reduce-scatter", ("data",))} <= kinds
+  assert optimizer.momentum["w1"].get_value().sharding.spec == P("data", "model")
+  assert model.w1.get_value().sharding.spec == P("data", "model")
+  # w1 gathered over "data" forward, its gradient reduce-scattered
+  kinds = {(c.kind, c.axes) for c in plan.collectives}
+  assert {("all-gather", ("data",)), ("reduce-scatter", ("data",))} <= kinds
 
 
 # --- 06_scan_over_layers with sharding names: the stacked params name a "layers" axis ----------
@@ -586,7 +586,7 @@ def scan_stack_step(model, optimizer, x, labels):
   return loss
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 8), ("1x8", 4)])
+@pytest.mark.parametrize("mesh,batch", [("2x4", 8)])
 def test_nnx_scan_over_layers_with_layers_axis_name_remat_dropout(mesh, batch):
   def fresh():
     with nnx.use_eager_sharding(False):  # the names stay metadata: spmd resolves them
