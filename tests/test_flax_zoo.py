@@ -3,7 +3,8 @@ written as their users write them, run through spmd.partition on the ("data", "m
 layers the earlier rounds left out (depthwise and circular convolutions, transposed
 convolutions, GroupNorm, Dropout with broadcast dims, SpectralNorm / WeightNorm, attention masks,
 nnx.Einsum / LinearGeneral / RMSNorm), wmt's beam search, a Gemma-style sampler with
-temperature and top-p, and the NNX toy examples (parameter surgery, FSDP with an optimizer).
+temperature and top-p, and the NNX toy examples (array leaves and parameter surgery, FSDP with
+a hand-written optimizer, scan over layers whose params name a "layers" axis).
 Each is checked against the unpartitioned step, step by step where a loop feeds the state back
 (helpers.train_loop / nnx_steps / check_plan)."""
 import flax.linen as nn
@@ -21,8 +22,6 @@ import spmd
 from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
                      nnx_steps, randn, train_loop)
 from test_flax_workloads import GEMMA_RULES, HEAD_DIM, KV_HEADS, VOCAB, fresh_gemma
-
-EOS_TOKEN = 3  # the Gemma sampler's end token
 
 
 # --- linen convolution zoo: depthwise + circular, transposed, GroupNorm, broadcast dropout -------
@@ -353,6 +352,8 @@ def test_wmt_beam_search_while_loop_top_k_take_along_axis(mesh, batch):
 
 # --- gemma's sampler: a prefilled KV cache, then temperature + top-p sampling in a while loop ---
 
+EOS_TOKEN = 3
+
 def top_p_sample(logits, key, temperature: float, top_p: float):
   """A token per row drawn from the smallest set of tokens whose probability reaches ``top_p``
   (the probabilities sorted by ``lax.top_k``), at ``temperature``."""
@@ -597,3 +598,56 @@ def test_nnx_scan_over_layers_with_layers_axis_name_remat_dropout(mesh, batch):
   plan, _ = nnx_steps(scan_stack_step, fresh, mesh_of(mesh),
                       (None, None, P("batch"), P("batch")), batches, rules=SCAN_RULES)
   assert plan.in_specs[0][0]["layers"]["up"]["kernel"].get_value() == P(None, None, "model")
+
+
+# --- sst2: word dropout, a bidirectional LSTM over padded sequences, MLP attention pooling -------
+
+class Sst2Classifier(nn.Module):
+  """sst2's model: embeddings with dropout and word dropout (one draw per token, broadcast over
+  the features), forward and backward LSTMs (the backward one reversed within each length and
+  kept in order), attention pooling over the valid steps, a binary logit."""
+
+  @nn.compact
+  def __call__(self, tokens, lengths, train: bool):
+    x = nn.Embed(30, 8)(tokens)
+    x = nn.Dropout(0.3, broadcast_dims=(-1,), deterministic=not train)(x)  # word dropout
+    x = nn.Dropout(0.2, deterministic=not train)(x)
+    x = nn.Bidirectional(nn.RNN(nn.LSTMCell(8)),
+                         nn.RNN(nn.LSTMCell(8), reverse=True, keep_order=True))(
+                             x, seq_lengths=lengths)
+    mask = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    # no bias on the scores: softmax ignores it, so its gradient is rounding that Adam scales up
+    scores = nn.Dense(1, use_bias=False)(nn.tanh(nn.Dense(16)(x)))[..., 0]
+    weights = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+    pooled = jnp.einsum("bt,btd->bd", weights, x)
+    h = nn.Dropout(0.2, deterministic=not train)(nn.tanh(nn.Dense(16)(pooled)))
+    return nn.Dense(1)(h)[:, 0]
+
+
+def sst2_train_step(state, batch, key):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["token_ids"], batch["length"], True,
+                            rngs={"dropout": key})
+    return optax.sigmoid_binary_cross_entropy(logits, batch["label"]).mean(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  return state.apply_gradients(grads=grads), {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("mesh,batch", [("8x1", 6)])
+def test_sst2_word_dropout_bidirectional_lstm_attention_pooling(mesh, batch):
+  model = Sst2Classifier()
+  rng = np.random.default_rng(6)
+  lengths = jnp.asarray(rng.integers(1, 7, batch), jnp.int32)
+  tokens = jnp.where(jnp.arange(6)[None, :] < lengths[:, None],
+                     jnp.asarray(rng.integers(1, 30, (batch, 6)), jnp.int32), 0)
+  params = jax.jit(model.init, static_argnums=3)(jax.random.key(0), tokens, lengths,
+                                                 False)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-2))
+  keys = jax.random.split(jax.random.key(1), 3)
+  batches = [({"token_ids": jnp.roll(tokens, s, axis=0), "length": jnp.roll(lengths, s),
+               "label": (jnp.arange(batch) % 2).astype(jnp.float32)}, keys[s])
+             for s in range(3)]
+  step = spmd.partition(sst2_train_step, mesh=mesh_of(mesh), in_specs=(None, P("data"), P()))
+  train_loop(jax.jit(sst2_train_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
