@@ -248,3 +248,21 @@ def train_loop(reference: Callable, partitioned: Callable, state: tuple, batches
     *got, got_loss = partitioned(*start, *batch)
     assert_trees_match((got, got_loss), (want, want_loss), **tolerance)
   return check_plan(partitioned, *state, *batches[0])
+
+
+def nnx_steps(step: Callable, fresh: Callable, mesh: Mesh, in_specs: Any, batches: list,
+              rtol: float = 1e-4, atol: float = 1e-5, **options: Any) -> tuple[spmd.Plan, Any]:
+  """``step`` partitioned beside ``nnx.jit(step)``, each over its own ``fresh()`` modules, for
+  every batch: the same outputs, then the same module states; then ``check_plan``. Returns the
+  plan and the partitioned modules."""
+  from flax import nnx  # here: the other test files need no flax
+
+  ours, reference = fresh(), fresh()
+  partitioned = spmd.partition(step, mesh=mesh, in_specs=in_specs, **options)
+  jitted = nnx.jit(step)
+  for batch in batches:
+    assert_trees_match(partitioned(*ours, *batch), jitted(*reference, *batch), rtol=rtol,
+                       atol=atol)
+  for got, want in zip(ours, reference):
+    assert_trees_match(nnx.state(got), nnx.state(want), rtol=rtol, atol=atol)
+  return check_plan(partitioned, *ours, *batches[0]), ours

@@ -23,23 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of, randn,
-                     train_loop)
-
-
-def nnx_steps(step, fresh, mesh, in_specs, batches, rtol=1e-4, atol=1e-5, **options):
-  """``step`` partitioned beside ``nnx.jit(step)``, each over its own ``fresh()`` modules, for
-  every batch: the same outputs, then the same module states; then ``check_plan``. Returns the
-  plan and the partitioned modules."""
-  ours, reference = fresh(), fresh()
-  partitioned = spmd.partition(step, mesh=mesh, in_specs=in_specs, **options)
-  jitted = nnx.jit(step)
-  for batch in batches:
-    assert_trees_match(partitioned(*ours, *batch), jitted(*reference, *batch), rtol=rtol,
-                       atol=atol)
-  for got, want in zip(ours, reference):
-    assert_trees_match(nnx.state(got), nnx.state(want), rtol=rtol, atol=atol)
-  return check_plan(partitioned, *ours, *batches[0]), ours
+from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
+                     nnx_steps, randn, train_loop)
 
 
 # --- the NNX "Scale up on multiple devices" guide ----------------------------------------------
