@@ -508,6 +508,44 @@ def dot_partial_contracting_partial_replicate():  # DotPartialContracting2 (part
         "a2b4", out_specs=P("b"))
 
 
+# A dot whose operands disagree on a factor (contracting or batch) keeps the factors they agree on
+# (as XLA does): propagation once gave the disputed factor a mesh axis another factor wanted, the
+# result lost that axis and both operands were gathered (tril(x) @ x: 1536 B, XLA 768 B).
+@case
+def dot_contracting_disputed_keeps_result_axes():
+  no_more_than_xla(lambda x: jnp.tril(x) @ x, (randn(16, 16),), P("a", "b"), "a2b4")
+
+
+@case
+def dot_contracting_disputed_rectangular():
+  no_more_than_xla(lambda x, y: (x * 2) @ y, (randn(16, 24), randn(24, 16, seed=1)),
+                   (P("a", "b"), P("a", "b")), "a2b4")
+
+
+@case
+def dot_contracting_disputed_uneven():
+  no_more_than_xla(lambda x: jnp.tril(x) @ x, (randn(12, 12),), P("a", "b"), "a2b4")
+
+
+@case
+def dot_contracting_disputed_3d_mesh():
+  no_more_than_xla(lambda x: jnp.triu(x) @ x, (randn(16, 16),), P(("a", "b"), "c"), "a2b2c2")
+
+
+@case
+def dot_batch_disputed_keeps_free_axes():  # bmk,bkn with batch on a (lhs) and b (rhs)
+  no_more_than_xla(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y),
+                   (randn(4, 8, 16), randn(4, 16, 8, seed=1)), (P("a", "b", None),
+                                                                 P("b", None, "a")), "a2b4")
+
+
+@case
+def dot_batch_disputed_attention_scores():
+  no_more_than_xla(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k),
+                   (randn(4, 8, 2, 8), randn(4, 8, 2, 8, seed=1)), (P("a", "b"), P("b", "a")),
+                   "a2b4")
+
+
 @case
 def transpose_all_to_all():  # TransposeAllToAll (a transpose keeping the device assignment)
   check(lambda x: x.T, (randn(8, 16),), P("x"), "x8", out_specs=P("x"))

@@ -317,7 +317,7 @@ class _Engine:
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
              conflicts: list[_Dropped]
              ) -> dict[int, tuple[Axes, _Candidate]]:
-    chosen: list[tuple[tuple, int, Axes, _Candidate]] = []
+    chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
       if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
         continue
@@ -325,21 +325,26 @@ class _Engine:
       if not ranked:
         continue
       longest = max(ranked, key=lambda x: len(x.axes))
-      if all(longest.axes[:len(x.axes)] == x.axes for x in ranked):
+      agreed = all(longest.axes[:len(x.axes)] == x.axes for x in ranked)
+      if agreed:
         best = next(x for x in ranked if x.axes == longest.axes)
       else:
         best = ranked[0]
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
             conflicts.append(_Dropped(f, best.axes, best.part, other.axes, other.part))
-      chosen.append((best.priority(), f, best.axes, best))
+      chosen.append((not agreed, f, best.axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
     # Between factors, the larger tensor's factor takes a contested mesh axis first: the op then
-    # moves the smaller tensor (closedness only breaks ties; a closed tensor that loses an axis
-    # here is resharded for this op, never changed).
-    for _, f, axes, best in sorted(chosen, key=lambda t: (-t[3].size, not t[3].closed,
-                                                          t[3].pos, t[1])):
+    # moves the smaller tensor. Among tensors of one size, a factor whose tensors agree goes
+    # before one whose tensors disagree (the op moves a tensor along that one whichever wins, so
+    # it yields the axis rather than make the op move a second tensor; as Shardy's propagation,
+    # which gives a factor only its tensors' common axes), then closed before open (a closed
+    # tensor that loses an axis here is resharded for this op, never changed).
+    for _, f, axes, best in sorted(chosen, key=lambda t: (-t[3].size, t[0],
+                                                                   not t[3].closed, t[3].pos,
+                                                                   t[1])):
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
