@@ -546,6 +546,22 @@ def dot_batch_disputed_attention_scores():
                    "a2b4")
 
 
+# jax.image.resize builds one weight matrix per resized dim from iotas; the two were merged as a
+# common subexpression before propagation, so both dots read it in one sharding (the second
+# gathered its partial result, 28288 B for bilinear 16x16 -> 32x32 of P(None, 'x') over 4, XLA
+# 12288 B). Values computed from iotas alone are merged only after propagation now.
+@case
+def resize_linear_down_sharded_rows():
+  no_more_than_xla(lambda x: jax.image.resize(x, (2, 8, 8, 3), "linear"), (randn(2, 16, 16, 3),),
+                   P(None, "x"), "x4")
+
+
+@case
+def resize_bilinear_uneven_rows():
+  no_more_than_xla(lambda x: jax.image.resize(x, (2, 20, 20, 3), "bilinear"),
+                   (randn(2, 12, 12, 3),), P(None, "x"), "x8")
+
+
 @case
 def transpose_all_to_all():  # TransposeAllToAll (a transpose keeping the device assignment)
   check(lambda x: x.T, (randn(8, 16),), P("x"), "x8", out_specs=P("x"))

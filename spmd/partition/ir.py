@@ -305,8 +305,11 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
   so is an ``abs`` of a value that cannot be negative, and a chain of reshapes in effect that gives
   a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
-  reshape, then to nothing)."""
+  reshape, then to nothing). Ops computing only from iotas and literals are not merged: they need
+  no data, so each use may take them in its own sharding at no cost (XLA merges them only after
+  partitioning; cse.py merges those that end up in one sharding)."""
   alias: dict[Value, Value] = {}
+  generated: set[Value] = set()  # values computed from iotas and literals only
   makers: dict[Value, Op] = {}
   relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
   seen: dict[tuple, Op] = {}
@@ -328,6 +331,10 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
         continue
       relaid[result] = source
     key = cse_key(op)
+    if key is not None and not op.regions and all(
+        not isinstance(a, Value) or a in generated for a in op.inputs):
+      generated.update(op.outputs)
+      key = None
     if key is not None and key in seen:
       alias.update(zip(op.outputs, seen[key].outputs))
       continue

@@ -9,7 +9,8 @@ Policy (deterministic), per factor:
      tensor beats a smaller one (moving the smaller one is cheaper), then the earlier tensor
      (operands before results). Two closed shardings that disagree are reported as a conflict.
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
-     then moves the smaller one), closed before open among tensors of one size.
+     then moves the smaller one); among tensors of one size, to a factor whose tensors agree
+     before one whose tensors disagree, then closed before open.
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
 Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
