@@ -1133,6 +1133,50 @@ def select_pred_sharded_differently_int32():  # Select with a differently tiled 
         (P(None, "b"), P("a"), P(("a", "b"))), "a2b4")
 
 
+# x[i] with the indexed dim and the indices' batch dim wanting one mesh axis: the axis goes to the
+# indices' dim, which the result holds (as large as the operand here), and the operand is gathered,
+# as XLA does; it went to the indexed dim of the larger operand, the indices were gathered and the
+# result all-reduced (192 B, XLA 128 B; 768 / 128 B with 64 indices).
+@case
+def gather_indexed_and_index_dims_one_axis():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)), (P("a", "b"), P("a")),
+                   "a2b4")
+
+
+@case
+def gather_indexed_and_index_dims_one_axis_1d_mesh():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)), (P("x"), P("x")), "x8")
+
+
+@case
+def gather_indexed_and_index_dims_uneven():
+  no_more_than_xla(lambda x, i: x[i], (randn(12, 8), indices(12, 12)), (P("a", "b"), P("a")),
+                   "a2b4")
+
+
+@case
+def gather_indexed_and_index_dims_3d_mesh():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)),
+                   (P(("a", "b"), "c"), P(("a", "b"))), "a2b2c2")
+
+
+@case
+def gather_more_indices_than_rows():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 4, 16)),
+                   (P("a", "b"), P(None, "a")), "a2b4")
+
+
+@case
+def take_columns_index_sharded():
+  no_more_than_xla(lambda x, i: jnp.take(x, i, axis=1), (randn(8, 16), indices(16, 16)),
+                   (P("b", "a"), P("a")), "a2b4")
+
+
+@case
+def gather_embedding_larger_than_result():  # the table stays split, the ids are gathered
+  no_more_than_xla(lambda x, i: x[i], (randn(64, 8), indices(64, 16)), (P("x"), P("x")), "x8")
+
+
 # --- Random numbers ------------------------------------------------------------------------------
 
 @case
