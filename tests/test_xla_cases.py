@@ -508,6 +508,60 @@ def dot_partial_contracting_partial_replicate():  # DotPartialContracting2 (part
         "a2b4", out_specs=P("b"))
 
 
+# A dot whose operands disagree on a factor (contracting or batch) keeps the factors they agree on
+# (as XLA does): propagation once gave the disputed factor a mesh axis another factor wanted, the
+# result lost that axis and both operands were gathered (tril(x) @ x: 1536 B, XLA 768 B).
+@case
+def dot_contracting_disputed_keeps_result_axes():
+  no_more_than_xla(lambda x: jnp.tril(x) @ x, (randn(16, 16),), P("a", "b"), "a2b4")
+
+
+@case
+def dot_contracting_disputed_rectangular():
+  no_more_than_xla(lambda x, y: (x * 2) @ y, (randn(16, 24), randn(24, 16, seed=1)),
+                   (P("a", "b"), P("a", "b")), "a2b4")
+
+
+@case
+def dot_contracting_disputed_uneven():
+  no_more_than_xla(lambda x: jnp.tril(x) @ x, (randn(12, 12),), P("a", "b"), "a2b4")
+
+
+@case
+def dot_contracting_disputed_3d_mesh():
+  no_more_than_xla(lambda x: jnp.triu(x) @ x, (randn(16, 16),), P(("a", "b"), "c"), "a2b2c2")
+
+
+@case
+def dot_batch_disputed_keeps_free_axes():  # bmk,bkn with batch on a (lhs) and b (rhs)
+  no_more_than_xla(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y),
+                   (randn(4, 8, 16), randn(4, 16, 8, seed=1)), (P("a", "b", None),
+                                                                 P("b", None, "a")), "a2b4")
+
+
+@case
+def dot_batch_disputed_attention_scores():
+  no_more_than_xla(lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k),
+                   (randn(4, 8, 2, 8), randn(4, 8, 2, 8, seed=1)), (P("a", "b"), P("b", "a")),
+                   "a2b4")
+
+
+# jax.image.resize builds one weight matrix per resized dim from iotas; the two were merged as a
+# common subexpression before propagation, so both dots read it in one sharding (the second
+# gathered its partial result, 28288 B for bilinear 16x16 -> 32x32 of P(None, 'x') over 4, XLA
+# 12288 B). Values computed from iotas alone are merged only after propagation now.
+@case
+def resize_linear_down_sharded_rows():
+  no_more_than_xla(lambda x: jax.image.resize(x, (2, 8, 8, 3), "linear"), (randn(2, 16, 16, 3),),
+                   P(None, "x"), "x4")
+
+
+@case
+def resize_bilinear_uneven_rows():
+  no_more_than_xla(lambda x: jax.image.resize(x, (2, 20, 20, 3), "bilinear"),
+                   (randn(2, 12, 12, 3),), P(None, "x"), "x8")
+
+
 @case
 def transpose_all_to_all():  # TransposeAllToAll (a transpose keeping the device assignment)
   check(lambda x: x.T, (randn(8, 16),), P("x"), "x8", out_specs=P("x"))
@@ -1077,6 +1131,50 @@ def clamp_mixed_shardings():  # Clamp with operands tiled differently
 def select_pred_sharded_differently_int32():  # Select with a differently tiled predicate
   check(lambda p, x, y: lax.select(p, x, y), (randn(12, 6) > 0, ints(12, 6), ints(12, 6, seed=1)),
         (P(None, "b"), P("a"), P(("a", "b"))), "a2b4")
+
+
+# x[i] with the indexed dim and the indices' batch dim wanting one mesh axis: the axis goes to the
+# indices' dim, which the result holds (as large as the operand here), and the operand is gathered,
+# as XLA does; it went to the indexed dim of the larger operand, the indices were gathered and the
+# result all-reduced (192 B, XLA 128 B; 768 / 128 B with 64 indices).
+@case
+def gather_indexed_and_index_dims_one_axis():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)), (P("a", "b"), P("a")),
+                   "a2b4")
+
+
+@case
+def gather_indexed_and_index_dims_one_axis_1d_mesh():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)), (P("x"), P("x")), "x8")
+
+
+@case
+def gather_indexed_and_index_dims_uneven():
+  no_more_than_xla(lambda x, i: x[i], (randn(12, 8), indices(12, 12)), (P("a", "b"), P("a")),
+                   "a2b4")
+
+
+@case
+def gather_indexed_and_index_dims_3d_mesh():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 16)),
+                   (P(("a", "b"), "c"), P(("a", "b"))), "a2b2c2")
+
+
+@case
+def gather_more_indices_than_rows():
+  no_more_than_xla(lambda x, i: x[i], (randn(16, 8), indices(16, 4, 16)),
+                   (P("a", "b"), P(None, "a")), "a2b4")
+
+
+@case
+def take_columns_index_sharded():
+  no_more_than_xla(lambda x, i: jnp.take(x, i, axis=1), (randn(8, 16), indices(16, 16)),
+                   (P("b", "a"), P("a")), "a2b4")
+
+
+@case
+def gather_embedding_larger_than_result():  # the table stays split, the ids are gathered
+  no_more_than_xla(lambda x, i: x[i], (randn(64, 8), indices(64, 16)), (P("x"), P("x")), "x8")
 
 
 # --- Random numbers ------------------------------------------------------------------------------

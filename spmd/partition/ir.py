@@ -9,7 +9,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -305,8 +305,12 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
   so is an ``abs`` of a value that cannot be negative, and a chain of reshapes in effect that gives
   a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
-  reshape, then to nothing)."""
+  reshape, then to nothing). Ops computing only from iotas and literals are not merged: they need
+  no data, so each use may take them in its own sharding at no cost (XLA merges them only after
+  partitioning; cse.py merges those that end up in one sharding); a select between two equal
+  ones is still the first."""
   alias: dict[Value, Value] = {}
+  equal: dict[Value, Value] = {}  # a value computed from iotas and literals -> the first equal one
   makers: dict[Value, Op] = {}
   relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
   seen: dict[tuple, Op] = {}
@@ -316,7 +320,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    same = _only_case(op) or _needless_abs(op, makers)
+    same = _only_case(op, equal) or _needless_abs(op, makers)
     if same is not None:
       alias[op.outputs[0]] = same
       continue
@@ -328,6 +332,13 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
         continue
       relaid[result] = source
     key = cse_key(op)
+    if key is not None and not op.regions and all(
+        not isinstance(a, Value) or a in equal for a in op.inputs):
+      first = seen.setdefault(cse_key(op, equal.__getitem__), op)
+      equal.update(zip(op.outputs, first.outputs))
+      kept.append(op)
+      makers.update((v, op) for v in op.outputs)
+      continue
     if key is not None and key in seen:
       alias.update(zip(op.outputs, seen[key].outputs))
       continue
@@ -338,12 +349,15 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   return kept, tuple(sub(a) for a in outputs)
 
 
-def _only_case(op: Op) -> Value | None:
-  """The value every case of a ``select_n`` is, else None."""
+def _only_case(op: Op, equal: Mapping[Value, Value]) -> Value | None:
+  """The value every case of a ``select_n`` is (``equal``: values computed from iotas and literals
+  alone, each to the first equal one), else None."""
   if op.primitive != "select_n":
     return None
   first = op.inputs[1]
-  return first if isinstance(first, Value) and all(c is first for c in op.inputs[2:]) else None
+  same = lambda c: c is first or (  # noqa: E731
+      isinstance(c, Value) and c in equal and equal[c] is equal.get(first))
+  return first if isinstance(first, Value) and all(same(c) for c in op.inputs[2:]) else None
 
 
 def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:

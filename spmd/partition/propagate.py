@@ -9,7 +9,9 @@ Policy (deterministic), per factor:
      tensor beats a smaller one (moving the smaller one is cheaper), then the earlier tensor
      (operands before results). Two closed shardings that disagree are reported as a conflict.
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
-     then moves the smaller one), closed before open among tensors of one size.
+     then moves the smaller one; a result holding the factor counts); among tensors of one size,
+     to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
+     reduction, then closed before open.
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
 Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
@@ -307,7 +309,7 @@ class _Engine:
         for f, axes in project(factors, dims[part][d], rule.sizes, self.mesh):
           candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, part))
     conflicts: list[_Dropped] = []
-    merged = self._merge(rule, candidates, conflicts)
+    merged = self._merge(rule, candidates, conflicts, _result_sizes(rule, parts))
     writes: list[_Write] = []
     if any(axes for axes, _ in merged.values()):
       for part, (_, v, tf, _) in enumerate(parts):
@@ -315,9 +317,9 @@ class _Engine:
     return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
-             conflicts: list[_Dropped]
+             conflicts: list[_Dropped], result_sizes: Mapping[int, int]
              ) -> dict[int, tuple[Axes, _Candidate]]:
-    chosen: list[tuple[tuple, int, Axes, _Candidate]] = []
+    chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
       if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
         continue
@@ -325,21 +327,31 @@ class _Engine:
       if not ranked:
         continue
       longest = max(ranked, key=lambda x: len(x.axes))
-      if all(longest.axes[:len(x.axes)] == x.axes for x in ranked):
+      agreed = all(longest.axes[:len(x.axes)] == x.axes for x in ranked)
+      if agreed:
         best = next(x for x in ranked if x.axes == longest.axes)
       else:
         best = ranked[0]
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
             conflicts.append(_Dropped(f, best.axes, best.part, other.axes, other.part))
-      chosen.append((best.priority(), f, best.axes, best))
+      chosen.append((not agreed, f, best.axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
     # Between factors, the larger tensor's factor takes a contested mesh axis first: the op then
-    # moves the smaller tensor (closedness only breaks ties; a closed tensor that loses an axis
-    # here is resharded for this op, never changed).
-    for _, f, axes, best in sorted(chosen, key=lambda t: (-t[3].size, not t[3].closed,
-                                                          t[3].pos, t[1])):
+    # moves the smaller tensor. A factor's tensor is its candidate's, or a larger result holding
+    # it (which loses the axis with it); a reduction factor reaches no result. Among tensors of
+    # one size, a factor whose tensors agree goes before one whose tensors disagree (the op moves
+    # a tensor along that one whichever wins, so it yields the axis rather than make the op move
+    # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
+    # common axes), a pass factor before a reduction (whose partial result is summed later),
+    # then the larger candidate, then closed before open (a closed tensor that loses an axis here
+    # is resharded for this op, never changed).
+    def order(t: tuple[bool, int, Axes, _Candidate]) -> tuple:
+      disagreed, f, _, best = t
+      return (-max(best.size, result_sizes.get(f, 0)), disagreed,
+              rule.kinds[f] is FactorKind.REDUCTION, -best.size, not best.closed, best.pos, f)
+    for _, f, axes, best in sorted(chosen, key=order):
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
@@ -391,6 +403,16 @@ class _Engine:
         continue
       dims[d] = old + added
       writes.append(_Write(part, d, dims[d], None if source is None else source.part))
+
+
+def _result_sizes(rule: OpShardingRule, parts: tuple) -> dict[int, int]:
+  """Factor -> the size of the largest result of the op holding it."""
+  out: dict[int, int] = {}
+  for pos, _, tf, size in parts:
+    if pos >= len(rule.operands):
+      for f in (f for factors in tf for f in factors):
+        out[f] = max(out.get(f, 0), size)
+  return out
 
 
 def project(factors: tuple[int, ...], axes: Axes, sizes: tuple[int, ...],
