@@ -144,10 +144,11 @@ def test_partial_sums_added_before_a_sharded_consumer_are_reduce_scattered_once(
   assert plan.total_bytes <= xla_bytes(f, (x, *ws), specs, mesh)
 
 
-@pytest.mark.parametrize("case", ["mixed", "uneven", "bfloat16", "both_axes", "grad"])
+@pytest.mark.parametrize("case", ["mixed", "uneven", "bfloat16", "both_axes", "grad", "select"])
 def test_summed_partial_sums_neighbours(mesh, case):
   """Around the case above: a summand that is no partial sum, rows that split unevenly, bf16,
-  the contraction over both mesh axes, and the backward pass that makes such sums."""
+  the contraction over both mesh axes, the backward pass that makes such sums, and a select by
+  a scalar predicate between two partial sums (linear in both cases jointly, as an add)."""
   rows, dtype, k_axes = 256, jnp.float32, "model"
   if case == "uneven":
     rows = 30
@@ -161,6 +162,8 @@ def test_summed_partial_sums_neighbours(mesh, case):
 
   def f(x, w1, w2, w3):
     y = x @ w1 + (x * 2) @ w2 + (x * 3) @ w3
+    if case == "select":
+      y = jax.lax.select(x[0, 0] < 0, x @ w1, (x * 2) @ w2)
     if case == "mixed":
       y = y + jnp.cos(x[:, :48])
     return spmd.annotate(y, P("model", None))

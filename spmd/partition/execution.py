@@ -124,18 +124,19 @@ class ExecutionPlanner:
     return Execution(c, best.factor_axes, best.needs, best.produces, best.halos)
 
   def in_layout(self, c: Constraint, dims: TensorSharding) -> Execution | None:
-    """``c`` run with every operand in ``dims``' layout, where its rule maps each sharded dim to
-    one factor alike for every operand (an elementwise op); else None."""
-    axes: list[Axes] = [()] * c.rule.num_factors
-    for factors, dim_axes in zip(c.rule.operands[0], dims.dims):
+    """``c`` run with every operand and result in ``dims``' layout, where its rule maps each dim
+    to one factor alike for every tensor (an elementwise op); else None."""
+    rule = c.rule
+    layout = rule.operands[rule.linear_in[0]] if rule.linear_in else None
+    if not layout or any(tf and tf != layout for tf in (*rule.operands, *rule.results)):
+      return None  # (a scalar operand, a select's predicate, is whole anyway)
+    axes: list[Axes] = [()] * rule.num_factors
+    for factors, dim_axes in zip(layout, dims.dims):
       if dim_axes and len(factors) != 1:
         return None
       if dim_axes:
         axes[factors[0]] = dim_axes
-    ex = _execute(c, tuple(axes), self.mesh)
-    if any(need is not None and need.dims != dims.dims for need in ex.needs):
-      return None
-    return ex
+    return _execute(c, tuple(axes), self.mesh)
 
   def _candidates(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
                   ) -> list[_Option]:
