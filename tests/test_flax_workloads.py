@@ -134,15 +134,13 @@ def gemma_train_step(model, optimizer, tokens):
   return loss
 
 
-def greedy_sample(model, prompt, eos, steps: int):
-  """Gemma's sampler, greedy: the prompt fed token by token, then each step's argmax, the keys
-  and values kept in a cache written by dynamic_update_slice inside a while loop that stops
-  once every sequence has produced ``eos``. Returns the tokens and the number of steps run."""
+def decode_loop(model, tokens, caches, start, done, pick):
+  """Gemma's cached decoding: from ``start``, each trip feeds the token at ``index`` (its keys and
+  values written into ``caches``), and ``pick(index, logits, tokens, done)`` gives the token to
+  write at ``index + 1`` and the new ``done``; it stops at the end of ``tokens`` or once every
+  sequence is done. Returns the tokens and the index it stopped at."""
   graphdef, state = nnx.split(model)
-  batch, prompt_len = prompt.shape
-  length = prompt_len + steps
-  tokens = jnp.zeros((batch, length), jnp.int32).at[:, :prompt_len].set(prompt)
-  caches = [(jnp.zeros((batch, length, KV_HEADS, HEAD_DIM)),) * 2 for _ in model.blocks]
+  batch, length = tokens.shape
 
   def cond(carry):
     index, _, _, done = carry
@@ -151,20 +149,34 @@ def greedy_sample(model, prompt, eos, steps: int):
   def body(carry):
     index, tokens, caches, done = carry
     token = lax.dynamic_slice_in_dim(tokens, index, 1, axis=1)
-    positions = jnp.full((batch, 1), index)
     mask = jnp.broadcast_to(jnp.arange(length) <= index, (batch, 1, length))
-    logits, caches = nnx.merge(graphdef, state)(token, positions, mask, caches, index)
-    sampled = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    logits, caches = nnx.merge(graphdef, state)(token, jnp.full((batch, 1), index), mask,
+                                                caches, index)
+    following, done = pick(index, logits[:, 0], tokens, done)
+    tokens = lax.dynamic_update_slice(tokens, following[:, None], (0, index + 1))
+    return index + 1, tokens, caches, done
+
+  index, tokens, _, _ = lax.while_loop(cond, body, (start, tokens, caches, done))
+  return tokens, index
+
+
+def greedy_sample(model, prompt, eos, steps: int):
+  """Gemma's sampler, greedy: the prompt fed token by token, then each step's argmax, the keys
+  and values kept in a cache written by dynamic_update_slice inside a while loop that stops
+  once every sequence has produced ``eos``. Returns the tokens and the number of steps run."""
+  batch, prompt_len = prompt.shape
+  length = prompt_len + steps
+  tokens = jnp.zeros((batch, length), jnp.int32).at[:, :prompt_len].set(prompt)
+  caches = [(jnp.zeros((batch, length, KV_HEADS, HEAD_DIM)),) * 2 for _ in model.blocks]
+
+  def pick(index, logits, tokens, done):
+    sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     in_prompt = index + 1 < prompt_len
     following = lax.dynamic_slice_in_dim(tokens, index + 1, 1, axis=1)[:, 0]
     following = jnp.where(in_prompt, following, jnp.where(done, 0, sampled))
-    tokens = lax.dynamic_update_slice(tokens, following[:, None], (0, index + 1))
-    done = done | (~in_prompt & (sampled == eos))
-    return index + 1, tokens, caches, done
+    return following, done | (~in_prompt & (sampled == eos))
 
-  index, tokens, _, _ = lax.while_loop(
-      cond, body, (jnp.int32(0), tokens, caches, jnp.zeros((batch,), bool)))
-  return tokens, index
+  return decode_loop(model, tokens, caches, jnp.int32(0), jnp.zeros((batch,), bool), pick)
 
 
 def fresh_gemma():

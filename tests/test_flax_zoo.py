@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
                      nnx_steps, randn, train_loop)
-from test_flax_workloads import GEMMA_RULES, HEAD_DIM, KV_HEADS, VOCAB, fresh_gemma
+from test_flax_workloads import (GEMMA_RULES, HEAD_DIM, KV_HEADS, VOCAB, decode_loop,
+                                 fresh_gemma)
 
 
 # --- linen convolution zoo: depthwise + circular, transposed, GroupNorm, broadcast dropout -------
@@ -368,7 +369,6 @@ def gemma_sample(model, prompt, key, steps: int, temperature: float, top_p: floa
   """The prompt prefilled in one call (its keys and values written into the caches), then one
   sampled token per trip of a while loop that stops when every sequence has sampled EOS_TOKEN;
   each step's key is ``fold_in(key, index)``. Returns the tokens and the steps run."""
-  graphdef, state = nnx.split(model)
   batch, prompt_len = prompt.shape
   length = prompt_len + steps
   caches = [(jnp.zeros((batch, length, KV_HEADS, HEAD_DIM)),) * 2 for _ in model.blocks]
@@ -380,24 +380,12 @@ def gemma_sample(model, prompt, key, steps: int, temperature: float, top_p: floa
   tokens = jnp.zeros((batch, length), jnp.int32).at[:, :prompt_len].set(prompt)
   tokens = tokens.at[:, prompt_len].set(first)
 
-  def cond(carry):
-    index, _, _, done = carry
-    return (index < length - 1) & ~jnp.all(done)
-
-  def body(carry):
-    index, tokens, caches, done = carry
-    token = lax.dynamic_slice_in_dim(tokens, index, 1, axis=1)
-    mask = jnp.broadcast_to(jnp.arange(length) <= index, (batch, 1, length))
-    logits, caches = nnx.merge(graphdef, state)(token, jnp.full((batch, 1), index), mask,
-                                                caches, index)
-    sampled = top_p_sample(logits[:, 0], jax.random.fold_in(key, index + 1), temperature, top_p)
+  def pick(index, logits, tokens, done):
+    sampled = top_p_sample(logits, jax.random.fold_in(key, index + 1), temperature, top_p)
     sampled = jnp.where(done, 0, sampled)
-    tokens = lax.dynamic_update_slice(tokens, sampled[:, None], (0, index + 1))
-    return index + 1, tokens, caches, done | (sampled == EOS_TOKEN)
+    return sampled, done | (sampled == EOS_TOKEN)
 
-  index, tokens, _, _ = lax.while_loop(
-      cond, body, (jnp.int32(prompt_len), tokens, caches, first == EOS_TOKEN))
-  return tokens, index
+  return decode_loop(model, tokens, caches, jnp.int32(prompt_len), first == EOS_TOKEN, pick)
 
 
 @pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
