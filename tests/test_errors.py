@@ -141,22 +141,6 @@ def test_reusing_a_donated_array_is_jax_error(mesh):
     np.asarray(x)
 
 
-def test_a_partly_manual_shard_map_inside_is_refused_with_the_reason(mesh):
-  """A user's jax.shard_map manual over only some mesh axes (auto axes inside its body) cannot
-  be placed in the one shard_map spmd emits, manual over all: the error says so and names the
-  line (one manual over every axis runs, tests/test_nested_shard_map.py)."""
-  def f(x):
-    inner = jax.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                          axis_names={"data"})
-    return inner(x) + 1
-
-  g = spmd.partition(f, mesh=mesh, in_specs=P("data"))
-  with pytest.raises(NotImplementedError,
-                     match=r"test_errors.py:\d+.*axis_names=\['data'\] leaves mesh axes model "
-                           "automatic"):
-    g(jnp.ones((8, 8)))
-
-
 def test_a_pmap_style_collective_says_what_it_means_here(mesh):
   """``lax.pmean(x, "data")`` outside any shard_map (a step written for pmap, flax's
   ``BatchNorm(axis_name=...)``): JAX's unbound-axis error, restated with the site and the two

@@ -11,9 +11,10 @@ import functools
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 
-from spmd.partition import local, manual
+from spmd.partition import local, manual, partly_manual
 from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
                                        reshard_request)
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
@@ -41,7 +42,7 @@ COLLECTIVE = ("a collective over named mesh axes: valid only inside shard_map, w
 INTERNAL = "internal to JAX's transformations: never left in a program spmd traces"
 REF = "a mutable array reference: spmd partitions pure programs"
 REPLICATED: dict[str, str] = {
-    **{n: COLLECTIVE for n in """psum pmax pmin ppermute all_gather all_to_all reduce_scatter
+    **{n: COLLECTIVE for n in """ppermute all_gather all_to_all reduce_scatter
        axis_index pbroadcast pvary psum_invariant all_gather_invariant ragged_all_to_all
        pbroadcast_dynamic preduced unreduced_psum unreduced_pmax unreduced_pmin
        unreduced_reduce_scatter all_gather_reduced reduced_vary_cast reduced_vary_cast_p
@@ -239,7 +240,12 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
                                 local=local.on_first_device if name in DEBUG_CALLBACKS else None))
         for name, why in REPLICATED.items()),
       (("shard_map",), PrimitiveInfo(manual.rule, local=manual.lower, manual=Manual(
-          manual.specs, manual.shardings, manual.collectives, manual.bind_whole))),
+          manual.specs, manual.shardings, manual.collectives, manual.bind_whole),
+          inline=partly_manual.region_body)),
+      # over mesh axes only inside a shard_map, whose body spmd does not partition; over
+      # positional axes (a partly manual region's, vmapped: partly_manual.py) a reduction
+      *(((name,), PrimitiveInfo(inline=partly_manual.positional_reduction(reduce)))
+        for name, reduce in (("psum", jnp.sum), ("pmax", jnp.max), ("pmin", jnp.min))),
   ]
 
 

@@ -198,10 +198,10 @@ class _Builder:
       info = describe(eqn.primitive)
       source = self.source(eqn) or call_site
       stack = outer + eqn.source_info.name_stack
-      if info is not None and info.manual is not None:
+      inline = _inlined(eqn, info, inputs, self.platform)
+      if inline is None and info is not None and info.manual is not None:
         self._manual(eqn, info, inputs, env, ops, source, stack)
         continue
-      inline = _inlined(eqn, info, inputs, self.platform)
       if inline is not None:
         inlined = self.region(*inline, source, stack)
         ops.extend(inlined.ops)
@@ -223,10 +223,7 @@ class _Builder:
     """A user's shard_map (manual.py): its operands pinned to its in_specs and its results to its
     out_specs by annotations around it, as JAX's lowering marks them (a sharding custom call on
     each side), so that propagation carries its shardings to its neighbours."""
-    try:
-      in_specs, out_specs = info.manual.specs(eqn.params)
-    except NotImplementedError as e:
-      raise NotImplementedError(f"{source}: {e}") from None
+    in_specs, out_specs = info.manual.specs(eqn.params)
     pinned = tuple(self._pin(x, spec, eqn, source, stack, ops) if isinstance(x, Value) else x
                    for x, spec in zip(inputs, in_specs))
     outputs = tuple(Value(v.aval) for v in eqn.outvars)

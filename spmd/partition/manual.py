@@ -71,16 +71,8 @@ class BodyCollective:
 
 
 def specs(params: Mapping[str, Any]) -> tuple[tuple[P, ...], tuple[P, ...]]:
-  """The region's in_specs and out_specs; raises NotImplementedError for a region manual over
-  only some mesh axes (auto axes inside), which spmd cannot place in its own. (JAX itself refuses
-  a shard_map over a mesh other than the one spmd traces under.)"""
-  axes = tuple(params["mesh"].axis_names)
-  manual = set(params["newly_manual_axes"])
-  if manual != set(axes):
-    auto = ", ".join(a for a in axes if a not in manual)
-    raise NotImplementedError(
-        f"jax.shard_map with axis_names={sorted(manual)} leaves mesh axes {auto} automatic "
-        "inside its body: spmd places a shard_map only manual over every mesh axis")
+  """The region's in_specs and out_specs (a region manual over every mesh axis: one over only
+  some is inlined as what it computes, partly_manual.py)."""
   return tuple(params["in_specs"]), tuple(params["out_specs"])
 
 

@@ -1,0 +1,191 @@
+"""A user's ``jax.shard_map`` manual over only some mesh axes (``axis_names=``), as the global
+computation it stands for.
+
+Such a body sees its operands' blocks along the manual axes and whole arrays along the others,
+which JAX partitions automatically inside it. spmd's program is manual over every axis, so it
+cannot place that body as it is (manual.py places one manual over all axes). Instead the region
+is inlined as what it computes: each operand's blocks along the manual axes stacked on leading
+dims (one per manual axis, pinned to that axis), the body ``jax.vmap``-ed over them under those
+axes' names, so that its collectives over them become ops on the leading dims (a ``psum`` a sum,
+an ``all_gather`` a broadcast, ``axis_index`` an iota), and each result's leading dims put back
+where its out_specs name them. spmd then partitions the body like any other code, over every
+axis, the manual ones among them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+from spmd.partition.annotation import annotate
+from spmd.partition.jax_compat import check_vma, open_jaxpr
+from spmd.partition.primitives import describe
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+DimAxes = tuple[tuple[str, ...], ...]  # per dim, the mesh axes splitting it, major first
+
+
+def region_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+  """The region's global computation as a jaxpr over ``inputs``; None for a region manual over
+  every mesh axis (manual.py places it)."""
+  mesh = params["mesh"]
+  manual = [a for a in mesh.axis_names if a in params["newly_manual_axes"]]
+  if len(manual) == len(mesh.axis_names):
+    return None
+  jaxpr, consts = open_jaxpr(params["jaxpr"])
+  sizes = dict(mesh.shape)
+  ins = [_dim_axes(s, len(x.aval.shape)) for s, x in zip(params["in_specs"], inputs)]
+  outs = [_dim_axes(s, len(v.aval.shape)) for s, v in zip(params["out_specs"], jaxpr.outvars)]
+  body = _unchecked(jaxpr, consts, {a: sizes[a] for a in manual})
+
+  # Unchecked (check_vma=False), a result its out_specs leave whole along a manual axis may still
+  # vary over it: JAX returns the first block's, so it is mapped and its first block taken.
+  checked = params["check_vma"]
+
+  def whole(*args: Any) -> list:
+    stacked = [_stack(x, axes, manual, sizes) for x, axes in zip(args, ins)]
+    mapped = outs if checked else [tuple((a,) for a in manual)] * len(outs)
+    results = _vmapped(body, ins, mapped, manual, sizes)(*stacked)
+    return [_unstack(y if checked else _first_blocks(y, axes, manual), axes, manual, sizes)
+            for y, axes in zip(results, outs)]
+
+  avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in inputs]
+  with jax.sharding.use_abstract_mesh(_NO_MESH):  # the body's ops are typed by its own mesh
+    return jax.make_jaxpr(whole)(*avals), inputs
+
+
+def _dim_axes(spec: P, rank: int) -> DimAxes:
+  entries = tuple(spec) + (None,) * (rank - len(spec))
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def _mentions(axes: DimAxes, axis: str) -> bool:
+  return any(axis in dim for dim in axes)
+
+
+def _vmapped(body: Callable, ins: Sequence[DimAxes], outs: Sequence[DimAxes],
+             manual: Sequence[str], sizes: Mapping[str, int]) -> Callable:
+  """``body`` mapped over one leading dim per manual axis an operand (result) is split over,
+  outermost first, each under its axis's name."""
+  f = body
+  for axis in reversed(manual):
+    f = jax.vmap(f, in_axes=[0 if _mentions(a, axis) else None for a in ins],
+                 out_axes=[0 if _mentions(a, axis) else None for a in outs],
+                 axis_name=axis, spmd_axis_name=axis, axis_size=sizes[axis])
+  return f
+
+
+def _first_blocks(y: Any, axes: DimAxes, manual: Sequence[str]) -> Any:
+  """``y``, mapped over every manual axis, with the first block taken along those ``axes`` do
+  not split."""
+  return y[tuple(slice(None) if _mentions(axes, a) else 0 for a in manual)]
+
+
+def _stack(x: Any, axes: DimAxes, manual: Sequence[str], sizes: Mapping[str, int]) -> Any:
+  """``x`` with its blocks along the manual axes on leading dims (in ``manual``'s order), each
+  pinned to its axis; its other dims the blocks' own, open to propagation."""
+  shape, where = [], {}
+  for n, dim in zip(x.shape, axes):
+    for a in dim:
+      where[a] = len(shape)
+      shape.append(sizes[a])
+    shape.append(n // math.prod(sizes[a] for a in dim))
+  lead = [where[a] for a in manual if a in where]
+  stacked = jnp.transpose(x.reshape(shape), lead + [i for i in range(len(shape)) if i not in lead])
+  return _pinned(stacked, [a for a in manual if a in where])
+
+
+def _unstack(y: Any, axes: DimAxes, manual: Sequence[str], sizes: Mapping[str, int]) -> Any:
+  """The inverse of ``_stack``: each leading dim put back before its dim's block."""
+  present = [a for a in manual if _mentions(axes, a)]
+  y = _pinned(y, present)
+  block = y.shape[len(present):]
+  order = [i for d, dim in enumerate(axes) for i in [*(present.index(a) for a in dim),
+                                                      len(present) + d]]
+  return jnp.transpose(y, order).reshape(
+      [n * math.prod(sizes[a] for a in dim) for n, dim in zip(block, axes)])
+
+
+def _pinned(x: Any, leading: Sequence[str]) -> Any:
+  if not leading:
+    return x
+  return annotate(x, P(*leading, *[P.UNCONSTRAINED] * (x.ndim - len(leading))))
+
+
+# The collectives a checked body (``check_vma=True``) binds, as the unchecked ones ``vmap``
+# batches over a named axis: psum_invariant a psum, all_gather_invariant an all_gather, pvary
+# (a type cast, no data) the identity.
+_UNCHECKED: dict[str, Callable[..., Any]] = {
+    "psum_invariant": lambda x, *, axes: lax.psum(x, axes),
+    "all_gather_invariant": lambda x, *, all_gather_dimension, axis_name, axis_size, tiled:
+        lax.all_gather(x, axis_name, axis=all_gather_dimension, tiled=tiled),
+    "pvary": lambda *xs, **_: xs,
+}
+
+
+def _unchecked(jaxpr: Any, consts: Sequence[Any], axes: Mapping[str, int]) -> Callable:
+  """The body's jaxpr as a function binding its collectives unchecked (``_UNCHECKED``), each
+  equation under its own source line; calls are inlined and control flow's bodies re-traced
+  alike (with the manual ``axes`` bound), so that no value is typed as varying over them."""
+  def run(*args: Any) -> list:
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    with check_vma(False):
+      for eqn in jaxpr.eqns:
+        with source_info_util.user_context(eqn.source_info.traceback,
+                                           name_stack=eqn.source_info.name_stack):
+          outs = _bind(eqn, [read(v) for v in eqn.invars], axes)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+  return run
+
+
+def _bind(eqn: Any, args: list, axes: Mapping[str, int]) -> Sequence[Any]:
+  unchecked = _UNCHECKED.get(eqn.primitive.name)
+  if unchecked is not None:
+    out = unchecked(*args, **eqn.params)
+    return out if eqn.primitive.name == "pvary" else [out]
+  info = describe(eqn.primitive)
+  inline = None if info is None or info.inline is None else info.inline(eqn.params, args)
+  if inline is not None:
+    body, inputs = inline
+    return _unchecked(*open_jaxpr(body), axes)(*inputs)
+  params = {k: _retyped(v, axes) for k, v in eqn.primitive.get_bind_params(eqn.params).items()}
+  out = eqn.primitive.bind(*args, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _retyped(param: Any, axes: Mapping[str, int]) -> Any:
+  """A param holding bodies (a jaxpr or a tuple of them) with the bodies re-traced unchecked;
+  any other param as it is."""
+  if isinstance(param, tuple) and param and all(_is_jaxpr(p) for p in param):
+    return tuple(_retyped(p, axes) for p in param)
+  if not _is_jaxpr(param):
+    return param
+  jaxpr, consts = open_jaxpr(param)
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+           for v in jaxpr.invars]
+  closed = jax.make_jaxpr(_unchecked(jaxpr, consts, axes), axis_env=list(axes.items()))(*avals)
+  return closed if param is not jaxpr else open_jaxpr(closed)[0]
+
+
+def _is_jaxpr(x: Any) -> bool:
+  return hasattr(open_jaxpr(x)[0], "eqns")
+
+
+def positional_reduction(reduce: Callable[..., Any]) -> Callable:
+  """The inline body of a psum/pmax/pmin over positional axes (what ``vmap`` makes of one over
+  its named axis): the reduction ``reduce`` over those dims; None for one over mesh axes."""
+  def body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+    axes = params["axes"]
+    if not all(isinstance(a, int) for a in axes):
+      return None
+    avals = [jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype) for x in inputs]
+    return jax.make_jaxpr(lambda *xs: [reduce(x, axis=axes) for x in xs])(*avals), inputs
+  return body

@@ -1,0 +1,169 @@
+"""A user's ``jax.shard_map`` manual over only some mesh axes (``axis_names=``) inside a
+partitioned function (spmd/partition/partly_manual.py), after JAX's shard_map_test.py partial-auto
+cases: the body's blocks along the manual axes are stacked on leading dims, its collectives over
+them become ops on those dims, and spmd partitions the whole over every axis. Each case checks
+values against the unpartitioned function, the plan against the compiled HLO and that no op ran
+replicated (tests/helpers.py)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from tests.helpers import assert_partitioned_matches as _assert_partitioned_matches
+from tests.helpers import get_mesh, randn, xla_bytes
+
+MESH = "a2b4"
+
+
+def assert_partitioned_matches(fn, args, in_specs, mesh, above_xla=False, **kwargs):
+  """helpers' check against ``jax.jit`` of ``fn`` (JAX runs a partly manual shard_map only
+  under jit), and no more bytes than XLA's partitioner moves for it (unless ``above_xla``: a
+  known gap, docs/ARCHITECTURE.md)."""
+  plan = _assert_partitioned_matches(fn, args, in_specs, mesh, reference=jax.jit(fn), **kwargs)
+  xla = xla_bytes(fn, args, in_specs, mesh, kwargs.get("out_specs"))
+  assert (plan.total_bytes > xla) == above_xla, (plan.total_bytes, xla, plan.explain())
+  return plan
+
+
+def smap(body, in_specs, out_specs, axis_names=frozenset({"a"}), mesh=MESH, **kwargs):
+  return jax.shard_map(body, mesh=get_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                       axis_names=set(axis_names), **kwargs)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_psum_over_the_manual_axis_with_a_matmul_over_the_auto_one(check_vma):
+  """The body's matmul runs on whole rows along "b" (automatic inside): spmd shards it over "b"
+  as propagation chooses; the psum over "a" is a sum over the stacked blocks."""
+  def f(x, w):
+    def body(xb, w):
+      return lax.psum(jnp.tanh(xb @ w), "a")
+    return smap(body, (P("a", None), P()), P(), check_vma=check_vma)(x, w) * 2
+
+  x, w = randn(16, 8), randn(8, 32, seed=1)
+  assert_partitioned_matches(f, (x, w), (P("a", None), P(None, "b")), MESH, rtol=1e-5)
+
+
+def test_an_unchecked_body_returning_a_varying_value_as_replicated_gives_the_first_block():
+  """With check_vma=False the user may return a value that varies over "a" with out_specs
+  leaving "a" out: JAX returns the first block's value, and so does spmd, sending that block to
+  the devices of the other (16 B; XLA leaves each device its own block, 0 B)."""
+  def f(x):
+    return smap(lambda b: jnp.cos(b) * 2, P("a"), P(), check_vma=False)(x)
+
+  assert_partitioned_matches(f, (randn(8),), (P("a"),), MESH, above_xla=True)
+
+
+def test_every_collective_over_the_manual_axis_in_a_checked_body():
+  def body(x):
+    i = lax.axis_index("a")
+    return (x * i + lax.pmax(x, "a"),
+            lax.all_gather(x, "a", tiled=True),
+            lax.all_gather(x, "a", axis=1),
+            lax.psum_scatter(x, "a", scatter_dimension=0, tiled=True),
+            lax.all_to_all(x, "a", 0, 1, tiled=True),
+            lax.ppermute(x, "a", [(0, 1), (1, 0)]),
+            lax.pmean(x.sum(0), "a"))
+
+  def f(x):
+    return smap(body, P("a", None), (P("a"), P("a"), P("a"), P("a"), P("a"), P("a"), P()))(x)
+
+  assert_partitioned_matches(f, (randn(16, 8),), (P("a", "b"),), MESH)
+
+
+def test_a_sharding_constraint_on_the_auto_axis_inside_the_body():
+  def f(x):
+    def body(xb):
+      h = lax.with_sharding_constraint(jnp.sin(xb), P(None, "b"))
+      return h.sum(1, keepdims=True) + lax.psum(h.sum(0), "a")[None, :1]
+    return smap(body, P("a", None), P("a", None))(x)
+
+  with jax.set_mesh(get_mesh(MESH)):
+    assert_partitioned_matches(f, (randn(16, 8),), (P("a", None),), MESH, rtol=1e-5)
+
+
+def test_two_manual_axes_of_a_three_axis_mesh():
+  """Manual over "a" and "c", automatic over "b": a dim split over both manual axes stacks two
+  leading dims, and a psum over both sums them. (x arrives split over "b" and is wanted over
+  "a": spmd gathers "b", 96 B, where XLA permutes devices, 48 B: a known gap.)"""
+  def f(x, y):
+    def body(xb, yb):
+      return lax.psum(xb.sum(0), ("a", "c")) + lax.psum(yb.sum(), "c"), xb * lax.axis_index("c")
+    return smap(body, (P(("a", "c"), None), P("c")), (P(), P(("a", "c"), None)),
+                axis_names={"a", "c"}, mesh="a2b2c2")(x, y)
+
+  assert_partitioned_matches(f, (randn(8, 6), randn(4, seed=1)), (P("b", None), P()), "a2b2c2",
+                             rtol=1e-5, above_xla=True)
+
+
+def test_gradient_through_a_partly_manual_region():
+  def loss(w, x):
+    def body(w, xb):
+      return lax.psum(jnp.sum(jnp.tanh(xb @ w) ** 2), "a")
+    return smap(body, (P(), P("a", None)), P())(w, x)
+
+  w, x = randn(8, 16), randn(16, 8, seed=1)
+  assert_partitioned_matches(jax.grad(loss), (w, x), (P(None, "b"), P("a", None)), MESH,
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_a_scan_inside_the_body():
+  """A scan in the body runs on the stacked blocks (its body mapped too); its carry starts
+  typed varying over the manual axis, as JAX asks."""
+  def f(x):
+    def body(xb):
+      def step(c, row):
+        return c + row, c * row
+      c, ys = lax.scan(step, lax.pcast(jnp.zeros(xb.shape[1:]), "a", to="varying"), xb)
+      return lax.psum(c, "a"), ys
+    return smap(body, P("a", None), (P(), P("a", None)))(x)
+
+  assert_partitioned_matches(f, (randn(8, 12),), (P("a", "b"),), MESH, rtol=1e-5)
+
+
+def test_pipeline_style_ring_over_the_manual_axis_in_a_loop():
+  """A pipeline's stage loop: each stage applies its weights and passes its activation to the
+  next over the manual axis, inside a fori_loop (collectives in a nested body, checked). Mapped
+  over "a", the ppermute is a gather of the stacked blocks, which spmd gathers (192 B) where
+  XLA permutes them (160 B): a known gap."""
+  def f(w, x):
+    def body(wb, xb):
+      def step(_, h):
+        h = jnp.tanh(h @ wb[0])
+        return lax.ppermute(h, "a", [(0, 1), (1, 0)])
+      return lax.fori_loop(0, 2, step, lax.pcast(xb, "a", to="varying"))
+    return smap(body, (P("a", None, None), P()), P("a", None))(w, x)
+
+  w, x = randn(2, 8, 8) / 3, randn(4, 8, seed=1)
+  assert_partitioned_matches(f, (w, x), (P("a", None, "b"), P()), MESH, rtol=1e-5,
+                             above_xla=True)
+
+
+def test_the_region_runs_on_blocks_the_user_gave_other_shardings():
+  """Operands arriving sharded over the auto axis, results read sharded otherwise after the
+  region: spmd reshards around the stacked blocks as around any op."""
+  def f(x):
+    y = smap(lambda b: b * lax.axis_index("a") + 1.0, P(None, "a"), P(None, "a"))(x)
+    return y.T @ x
+
+  assert_partitioned_matches(f, (randn(8, 16),), (P("b", None),), MESH, out_specs=P("a", "b"),
+                             rtol=1e-5)
+
+
+def test_the_plan_names_the_body_lines_and_prices_the_psum():
+  """The body's ops keep their own source lines in the plan; its psum over "a" is a sum over the
+  stacked blocks whose reduction (32 B per device) the plan prices where the sum is read."""
+  def f(x):
+    def body(xb):
+      return lax.psum(xb.sum(0), "a")
+    return smap(body, P("a", None), P())(x)
+
+  plan = spmd.partition(f, mesh=get_mesh(MESH), in_specs=P("a", None)).plan(
+      jax.ShapeDtypeStruct((16, 8), np.float32))
+  assert [r.primitive for r in plan.rows if r.source.endswith("f.<locals>.body)")] == [
+      "reduce_sum", "reduce_sum"], plan.explain()
+  assert [(c.kind, c.axes, c.bytes) for c in plan.collectives] == [("all-reduce", ("a",), 32)]
