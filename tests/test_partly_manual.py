@@ -127,9 +127,8 @@ def test_a_scan_inside_the_body():
 
 def test_pipeline_style_ring_over_the_manual_axis_in_a_loop():
   """A pipeline's stage loop: each stage applies its weights and passes its activation to the
-  next over the manual axis, inside a fori_loop (collectives in a nested body, checked). Mapped
-  over "a", the ppermute is a gather of the stacked blocks, which spmd gathers (192 B) where
-  XLA permutes them (160 B): a known gap."""
+  next over the manual axis, inside a fori_loop (collectives in a nested body, checked): a roll
+  of the stacked blocks, one collective permute per step as XLA's."""
   def f(w, x):
     def body(wb, xb):
       def step(_, h):
@@ -139,8 +138,33 @@ def test_pipeline_style_ring_over_the_manual_axis_in_a_loop():
     return smap(body, (P("a", None, None), P()), P("a", None))(w, x)
 
   w, x = randn(2, 8, 8) / 3, randn(4, 8, seed=1)
-  assert_partitioned_matches(f, (w, x), (P("a", None, "b"), P()), MESH, rtol=1e-5,
-                             above_xla=True)
+  assert_partitioned_matches(f, (w, x), (P("a", None, "b"), P()), MESH, rtol=1e-5)
+
+
+@pytest.mark.parametrize("perm", [
+    [(0, 1), (1, 2), (2, 3), (3, 0)],  # a ring: a roll of the stacked blocks
+    [(0, 1), (1, 2), (2, 3)],  # a shift without wrap-around (the last stage's block dropped)
+    [(0, 2), (1, 3), (2, 0), (3, 1)],
+    [(2, 0)],
+])
+def test_ppermute_over_a_manual_axis_of_four_stages(perm):
+  """Every pair moving by one shift is a roll of the stacked blocks (a collective permute, no
+  more bytes than XLA); destinations no pair names get zeros, as under ppermute."""
+  def f(x):
+    return smap(lambda b: lax.ppermute(jnp.sin(b), "b", perm), P("b", None), P("b", None),
+                axis_names={"b"})(x)
+
+  assert_partitioned_matches(f, (randn(8, 6),), (P("b", "a"),), MESH)
+
+
+def test_a_permutation_of_several_shifts_is_a_gather_of_the_blocks():
+  """Pairs that move by different shifts (swapping neighbours) gather the stacked blocks, where
+  XLA permutes them in one collective: a known gap."""
+  def f(x):
+    return smap(lambda b: lax.ppermute(b * 2, "b", [(0, 1), (1, 0), (2, 3), (3, 2)]), P("b"),
+                P("b"), axis_names={"b"})(x)
+
+  assert_partitioned_matches(f, (randn(16),), (P("b"),), MESH, above_xla=True)
 
 
 def test_the_region_runs_on_blocks_the_user_gave_other_shardings():

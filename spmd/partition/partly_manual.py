@@ -18,14 +18,17 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jcore
+from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotate
 from spmd.partition.jax_compat import check_vma, open_jaxpr
 from spmd.partition.primitives import describe
+from spmd.partition.roll import roll_p
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 DimAxes = tuple[tuple[str, ...], ...]  # per dim, the mesh axes splitting it, major first
@@ -118,14 +121,60 @@ def _pinned(x: Any, leading: Sequence[str]) -> Any:
   return annotate(x, P(*leading, *[P.UNCONSTRAINED] * (x.ndim - len(leading))))
 
 
+# A ppermute over one manual axis, bound as this so that vmap over that axis moves the stacked
+# blocks along their dim by a roll (collective permutes) where JAX's own batching gathers them
+# (and refuses a permutation that leaves some blocks without a source).
+block_permute_p = jcore.Primitive("block_permute")
+block_permute_p.def_abstract_eval(lambda x, *, axis_name, perm: x)
+
+
+def _permute_blocks(axis_data: Any, args: Sequence[Any], dims: Sequence[int | None], *,
+                    axis_name: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+                    ) -> tuple[Any, int | None]:
+  """``block_permute`` under vmap: over another axis, bound again; over its own, the blocks on
+  the mapped dim moved from source to destination, by a roll where every pair moves by one
+  shift, else by a gather; a destination no pair names gets zeros, as under ppermute."""
+  (x,), (d,) = args, dims
+  if axis_data.name not in axis_name:
+    return block_permute_p.bind(x, axis_name=axis_name, perm=perm), d
+  k = axis_data.size
+  if d is None:
+    if len(perm) == k:  # the same block everywhere, moved onto itself
+      return x, None
+    x, d = jnp.broadcast_to(x, (k, *x.shape)), 0
+  shifts = {(dst - src) % k for src, dst in perm}
+  if len(shifts) == 1:
+    moved = roll_p.bind(x, shift=shifts.pop(), axis=d)
+  else:
+    sources = np.zeros(k, int)
+    for src, dst in perm:
+      sources[dst] = src
+    moved = jnp.take(x, sources, axis=d)
+  if len(perm) < k:
+    kept = np.zeros([k if i == d else 1 for i in range(x.ndim)], bool)
+    kept.flat[[dst for _, dst in perm]] = True
+    moved = jnp.where(kept, moved, jnp.zeros((), x.dtype))
+  return moved, d
+
+
+batching.fancy_primitive_batchers[block_permute_p] = _permute_blocks
+
+
+def _ppermute(x: Any, *, axis_name: tuple[str, ...], perm: tuple) -> Any:
+  if len(axis_name) > 1:  # over several axes at once: JAX's own batching (a gather)
+    return lax.ppermute(x, axis_name, perm)
+  return block_permute_p.bind(x, axis_name=tuple(axis_name), perm=tuple(map(tuple, perm)))
+
+
 # The collectives a checked body (``check_vma=True``) binds, as the unchecked ones ``vmap``
-# batches over a named axis: psum_invariant a psum, all_gather_invariant an all_gather, pvary
-# (a type cast, no data) the identity.
+# batches over a named axis (psum_invariant a psum, all_gather_invariant an all_gather, pvary, a
+# type cast, the identity), and ppermute as the blocks' permutation.
 _UNCHECKED: dict[str, Callable[..., Any]] = {
     "psum_invariant": lambda x, *, axes: lax.psum(x, axes),
     "all_gather_invariant": lambda x, *, all_gather_dimension, axis_name, axis_size, tiled:
         lax.all_gather(x, axis_name, axis=all_gather_dimension, tiled=tiled),
     "pvary": lambda *xs, **_: xs,
+    "ppermute": _ppermute,
 }
 
 
