@@ -191,3 +191,60 @@ def test_the_plan_names_the_body_lines_and_prices_the_psum():
   assert [r.primitive for r in plan.rows if r.source.endswith("f.<locals>.body)")] == [
       "reduce_sum", "reduce_sum"], plan.explain()
   assert [(c.kind, c.axes, c.bytes) for c in plan.collectives] == [("all-reduce", ("a",), 32)]
+
+
+def test_ring_attention_over_a_manual_sequence_axis():
+  """Ring attention as written with shard_map over "b" (the sequence), the batch automatic over
+  "a": each step attends to the visiting key/value block and passes it on around the ring."""
+  def attention(q, k, v):
+    def body(q, k, v):
+      def step(_, carry):
+        o, total, top, k, v = carry
+        s = jnp.einsum("bqd,bkd->bqk", q, k)
+        new_top = jnp.maximum(top, s.max(-1))
+        p = jnp.exp(s - new_top[..., None])
+        scale = jnp.exp(top - new_top)
+        ring = [(j, (j + 1) % 4) for j in range(4)]
+        return (o * scale[..., None] + jnp.einsum("bqk,bkd->bqd", p, v),
+                total * scale + p.sum(-1), new_top, lax.ppermute(k, "b", ring),
+                lax.ppermute(v, "b", ring))
+      rows = q.shape[:2]
+      varying = lambda a: lax.pcast(a, "b", to="varying")  # noqa: E731
+      init = (jnp.zeros_like(q), varying(jnp.zeros(rows)), varying(jnp.full(rows, -jnp.inf)),
+              k, v)
+      o, total, *_ = lax.fori_loop(0, 4, step, init)
+      return o / total[..., None]
+    return smap(body, (P(None, "b"),) * 3, P(None, "b"), axis_names={"b"})(q, k, v)
+
+  q, k, v = (randn(4, 16, 8, seed=s) for s in range(3))
+  assert_partitioned_matches(attention, (q, k, v), (P("a", "b"),) * 3, MESH, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_expert_parallel_all_to_all_over_a_manual_axis():
+  """An MoE layer's dispatch and return by all_to_all over the manual expert axis "b", the
+  model dim automatic over "a"."""
+  def moe(x, w):
+    def body(x, w):
+      tokens = lax.all_to_all(x.reshape(4, -1, x.shape[-1]), "b", 0, 0)
+      out = lax.all_to_all(jnp.einsum("etd,df->etf", tokens, w[0]), "b", 0, 0)
+      return out.reshape(x.shape[0], -1)
+    return smap(body, (P("b", None), P("b", None, None)), P("b", None), axis_names={"b"})(x, w)
+
+  x, w = randn(64, 8), randn(4, 8, 8, seed=1)
+  assert_partitioned_matches(moe, (x, w), (P("b", "a"), P("b", None, "a")), MESH, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_fsdp_layers_gathered_over_a_manual_axis_in_a_scan():
+  """FSDP as written with shard_map over "a": each layer's weight shard all-gathered inside a
+  scan over the layers; the activations' other dim automatic over "b"."""
+  def fsdp(ws, x):
+    def body(ws, x):
+      def layer(h, w):
+        return jnp.tanh(h @ lax.all_gather(w, "a", axis=0, tiled=True)), None
+      return lax.scan(layer, x, ws)[0]
+    return smap(body, (P(None, "a", None), P("a", None)), P("a", None))(ws, x)
+
+  ws, x = randn(3, 8, 8) / 3, randn(16, 8, seed=1)
+  assert_partitioned_matches(fsdp, (ws, x), (P(None, "a", None), P("a", "b")), MESH, rtol=1e-5)
