@@ -358,3 +358,21 @@ def test_abs_of_a_square_is_the_square():
 
   plan = assert_partitioned_matches(h, (x * (1 + 2j),), P("a"), "a2b4")
   assert "abs" in {row.primitive for row in plan.rows}
+
+
+def test_ops_combining_one_row_per_shard_gather_the_operand_once():
+  """cummax and argmax along a dim split one row per device (int32[8,1] P('x', None)): each
+  could all-gather its own per-shard results (block totals, block maxima) or the operand whole,
+  32 B either way. Each took its own gather (the first of equal options), which XLA merged into
+  one, as a block of one row is its own total: the plan said 64 B, the HLO moved 32 B.
+  ExecutionPlanner.plan now prefers, among equally cheap executions, the one whose own gather
+  moves less: a reshard's form is shared with later readers, an op's own gather is not."""
+  def f(x0):
+    v1 = x0 + 2
+    v2 = spmd.annotate(v1, P(None, None))
+    v3 = jax.lax.cummax(v1, axis=0)
+    return jnp.argmax(v1, axis=0), v2, v3
+
+  x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (8, 1), dtype=np.int32))
+  plan = assert_partitioned_matches(f, (x0,), (P("x", None),), "x8")
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("all-gather", 32)], plan.explain()

@@ -115,10 +115,11 @@ class ExecutionPlanner:
       options = self._options[key] = self._candidates(c, shardings)
     if len(options) == 1:
       best = options[0].execution
-    else:  # the first of equally cheap options
-      best = min(options, key=lambda o: o.cost(c.results, summed_with) + sum(
+    else:  # of equally cheap options, the first whose own gather moves least (an operand's
+      # reshard makes a form later readers share; an op's own gather serves it alone)
+      best = min(options, key=lambda o: (o.cost(c.results, summed_with) + sum(
           price(v, need) for v, need in zip(c.operands, o.execution.needs)
-          if need is not None)).execution
+          if need is not None), o.gathered)).execution
     if best.constraint is c:
       return best
     return Execution(c, best.factor_axes, best.needs, best.produces, best.halos)
