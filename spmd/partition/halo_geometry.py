@@ -16,6 +16,7 @@ two shards its rows rotate from (``Rotation``). halo.py carries these exchanges 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,13 +212,21 @@ def plan_scatter_halos(dim: int, axes: Axes, window: Window,
 
 @dataclass(frozen=True)
 class Mirror:
-  """rev along a sharded dim: shard i takes shard n-1-i's block (then reverses it)."""
+  """rev along a sharded dim: shard i takes shard n-1-i's block (then reverses it). ``also``:
+  the further evenly split dims (and their shard counts) mirrored by the same permute, whose
+  axes follow ``dim``'s in ``axes``: over them all the mirrored block is at the mirrored linear
+  index (as XLA permutes a block reversed along several dims once)."""
 
   operand: int
   dim: int
   axes: Axes
   size: int
   shards: int
+  also: tuple[tuple[int, int], ...] = ()
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    return (self.dim, *(d for d, _ in self.also))
 
   @property
   def block(self) -> int:
@@ -238,6 +247,18 @@ def plan_reversal(operand: int, dim: int, axes: Axes, size: int,
   if padded == size:
     return (mirror,)
   return mirror, plan_rotation(operand, dim, axes, padded, shards, size - padded)
+
+
+def joint_mirrors(exchanges: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
+  """``exchanges`` with the mirrors of evenly split dims (no rotation after them) made one
+  mirror of them all: one permute of the block rather than one per dim."""
+  rotated = {x.dim for x in exchanges if isinstance(x, Rotation)}
+  even = [x for x in exchanges if isinstance(x, Mirror) and x.dim not in rotated]
+  if len(even) < 2:
+    return exchanges
+  joint = dataclasses.replace(even[0], axes=tuple(a for m in even for a in m.axes),
+                              also=tuple((m.dim, m.shards) for m in even[1:]))
+  return tuple(joint if x is even[0] else x for x in exchanges if x not in even[1:])
 
 
 @dataclass(frozen=True)
@@ -314,7 +335,8 @@ def hops(x: Exchange) -> list[Hop]:
   if isinstance(x, Rotation):
     return [h for h in x.pieces if h.distance]
   if isinstance(x, Mirror):
-    return [Hop(x.dim, x.shards, x.axes, x.block, "mirror", 0, x.block)]
+    shards = x.shards * math.prod(n for _, n in x.also)
+    return [Hop(x.dim, shards, x.axes, x.block, "mirror", 0, x.block)]
   return ([Hop(x.dim, x.shards, x.axes, x.block, "left", k, rows, skip=skip)
            for k, rows, skip in x.hop_rows(x.left, x.skip_left)]
           + [Hop(x.dim, x.shards, x.axes, x.block, "right", k, rows, skip=skip)
