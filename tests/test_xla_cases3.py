@@ -4,7 +4,8 @@ replicated pad and concatenate, dynamic-slice on a sharded dim, grouped convolut
 split reshapes of uneven sharded dims, reductions over several dims, while loops carrying sharded
 state, bitcast-convert, top_k on other dims, ...). Each test names the XLA test it mirrors, checks
 values, plan == compiled HLO and no replicated fallback (tests/helpers.py), and that spmd moves no
-more bytes per device than XLA's own partitioner with the same specs."""
+more bytes per device than XLA's own partitioner with the same specs (one, whose uneven result
+XLA's jit cannot be given, values and plan only)."""
 from __future__ import annotations
 
 import jax
@@ -13,6 +14,7 @@ from jax import lax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from helpers import assert_partitioned_matches as check
 from helpers import indices, ints, no_more_than_xla, randn
 
 BF16 = jnp.bfloat16
@@ -33,11 +35,27 @@ def test_tiled_reverse_halo_exchange_uneven():  # TiledReverseHaloExchange
   no_more_than_xla(lambda x: jnp.flip(x, 0), (randn(13, 4),), P("x"), "x4")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rev along two sharded dims mirrors each dim by its own collective-permute (one "
-    "halo_geometry.Mirror per dim), where XLA permutes the whole block once: 48 / 24 B"))
-def test_reverse_both_dims_int32_3d():  # TiledReverse on two sharded dims, int32
-  no_more_than_xla(lambda x: lax.rev(x, (0, 1)), (ints(8, 6),), P(("a", "b"), "c"), "a2b2c2")
+def test_reverse_both_dims_int32_3d():  # TiledReverse on two sharded dims, int32: one permute
+  plan = no_more_than_xla(lambda x: lax.rev(x, (0, 1)), (ints(8, 6),), P(("a", "b"), "c"),
+                          "a2b2c2")
+  assert plan.total_bytes == 24, plan.explain()
+
+
+def test_reverse_three_dims_3d_mesh():  # TiledReverse on every dim of a 3-D tile
+  no_more_than_xla(lambda x: lax.rev(x, (0, 1, 2)), (randn(8, 6, 4),), P("a", "b", "c"), "a2b2c2")
+
+
+def test_reverse_two_even_dims_and_an_uneven_one():  # TiledReverse, one dim of 5 over 2
+  """The even dims' joint mirror beside the uneven dim's mirror and rotation (values and plan
+  only: the uneven result is returned gathered, which XLA's jit cannot be given)."""
+  plan = check(lambda x: lax.rev(x, (0, 1, 2)), (randn(8, 6, 5),), P("a", "b", "c"), "a2b2c2")
+  assert {c.axes for c in plan.collectives if c.kind == "collective-permute"} >= {
+      ("a", "b"), ("c",)}, plan.explain()
+
+
+def test_reverse_two_dims_transposed_axes_bf16():  # TiledReverse, dims over ("b", "a") and c
+  no_more_than_xla(lambda x: lax.rev(x, (0, 1)), (randn(8, 6, dtype=BF16),), P(("b", "a"), "c"),
+                   "a2b2c2")
 
 
 def test_reverse_then_elementwise_bf16():  # TiledReversePassthroughViaReversedSharding
