@@ -211,6 +211,25 @@ def xla_bytes(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
   return sum(c.bytes for c in collectives(jitted.lower(*args).compile().as_text()))
 
 
+def no_more_than_xla(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
+                     out_specs: Any = None, **options: Any) -> spmd.Plan:
+  """``assert_partitioned_matches``, and the plan moves no more bytes per device than XLA's own
+  partitioner given the same specs (``xla_bytes``). Returns the plan."""
+  plan = assert_partitioned_matches(fn, args, in_specs, mesh, out_specs, **options)
+  assert plan.total_bytes <= xla_bytes(fn, args, in_specs, mesh, out_specs), plan.explain()
+  return plan
+
+
+def ints(*shape: int, seed: int = 0, high: int = 100) -> np.ndarray:
+  """``shape`` int32 values in [-high, high)."""
+  return rng(seed).integers(-high, high, shape).astype(np.int32)
+
+
+def indices(size: int, *shape: int, seed: int = 0) -> np.ndarray:
+  """``shape`` int32 indices in [0, size)."""
+  return rng(seed).integers(0, size, shape).astype(np.int32)
+
+
 def _divides(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
   """Every dim of ``shape`` splits evenly over the mesh axes ``spec`` names for it."""
   for n, axes in zip(shape, spec):

@@ -7,7 +7,7 @@ the compiled HLO's bytes per collective kind, and that no op fell back to runnin
 Where the output splits evenly and a halo moves no more than gathering the dim (its reach is
 enumerated here, window by window, independently of spmd/partition/halo_geometry.py), the program
 must exchange halos only: no all-gather; on one sharded dim the halo is exactly the rows the
-windows reach.
+windows reach, less those next to the shards' own rows that no window reads.
 
 The max-pool gradient (select_and_scatter_add) has its own sweep: it exchanges exactly the
 windows (cotangent rows) touching a shard's rows and the input rows those windows read, even or
@@ -70,6 +70,18 @@ class Geometry:
           left, right = max(left, block * i - row), max(right, row - block * (i + 1) + 1)
     return left, right
 
+  def sent(self, size: int, shards: int) -> int:
+    """The rows a halo carries (``halo_rows``), enumerating every window position."""
+    out = self.out(size)
+    block, block_out = -(-size // shards), -(-out // shards)
+    read: dict[int, set[int]] = {}
+    for o in range(out):
+      for t in range(self.window):
+        p = o * self.stride + t * self.window_dilation - self.padding[0]
+        if p % self.base_dilation == 0 and 0 <= p // self.base_dilation < size:
+          read.setdefault(o // block_out, set()).add(p // self.base_dilation)
+    return halo_rows(read, block)
+
   def scatter_reach(self, size: int, shards: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The max-pool gradient's reach: the most windows (rows of the cotangent, split like the
     output) and input rows that the windows touching a shard's own rows read before and after
@@ -85,6 +97,21 @@ class Geometry:
         rows = [max(rows[0], block * i - min(read)), max(rows[1], max(read) - block * (i + 1) + 1)]
     return (windows[0], windows[1]), (rows[0], rows[1])
 
+  def scatter_sent(self, size: int, shards: int) -> int:
+    """The cotangent rows and input rows the max-pool gradient's halos carry: those of the
+    windows touching each shard's rows and the rows those windows read."""
+    out = self.out(size)
+    block, block_out = -(-size // shards), -(-out // shards)
+    windows: dict[int, set[int]] = {}
+    rows: dict[int, set[int]] = {}
+    for o in range(out):
+      read = [p for p in range(o * self.stride - self.padding[0],
+                               o * self.stride - self.padding[0] + self.window) if 0 <= p < size]
+      for i in {p // block for p in read}:
+        windows.setdefault(i, set()).add(o)
+        rows.setdefault(i, set()).update(read)
+    return halo_rows(windows, block_out) + halo_rows(rows, block)
+
   def scatter_halo_suffices(self, size: int, shards: int) -> bool:
     """Both halos of the max-pool gradient no wider than gathering their dims."""
     (wl, wr), (rl, rr) = self.scatter_reach(size, shards)
@@ -95,6 +122,22 @@ class Geometry:
     """An even output and a halo no wider than gathering the dim (all of its blocks)."""
     return (self.out(size) % shards == 0
             and sum(self.reach(size, shards)) <= shards * -(-size // shards))
+
+
+def halo_rows(read: dict[int, set[int]], block: int) -> int:
+  """The rows a halo carries when shard i reads the rows from ``min(read[i])`` to
+  ``max(read[i])`` of a dim in blocks of ``block``: on each side, the most rows any shard reads
+  past its own block, less the fewest rows next to its block that a shard reading on that side
+  skips."""
+  lefts, rights = [], []
+  for i, rows in read.items():
+    lo, hi, start, end = min(rows), max(rows) + 1, block * i, block * (i + 1)
+    if lo < start:
+      lefts.append((start - lo, start - min(hi, start)))
+    if hi > end:
+      rights.append((hi - end, max(lo, end) - end))
+  return sum(max(far for far, _ in side) - min(near for _, near in side)
+             for side in (lefts, rights) if side)
 
 
 GEOMETRIES = [Geometry(w, s, p, bd, wd) for w, s, p, bd, wd in itertools.product(
@@ -171,10 +214,9 @@ def _check(fn, args, specs, mesh, *, halo_only: bool, halo_rows: int | None = No
 def test_one_sharded_dim(op, g, size):
   shards, n = size
   x = _data(2, n, 2)
-  left, right = g.reach(n, shards)
   even = g.halo_suffices(n, shards)
   _check(_windowed(op, g, (1,)), (x,), (P(None, "x", None),), _mesh((("x", shards),)),
-         halo_only=even, halo_rows=left + right if even else None)
+         halo_only=even, halo_rows=g.sent(n, shards) if even else None)
 
 
 @_cases(SIZES_2D, lambda s: [(s[0], 2), (s[1], 4)], 12, seed=1)
@@ -219,9 +261,8 @@ def test_max_pool_gradient_one_sharded_dim(op, g, size):
   ct = _data(2, g.out(n), 2, seed=3)
   spec, mesh = P(None, "x", None), _mesh((("x", shards),))
   fits = g.scatter_halo_suffices(n, shards)
-  (wl, wr), (rl, rr) = g.scatter_reach(n, shards)
   _check(_max_pool_gradient(g, (1,)), (x, ct), (spec, spec), mesh,
-         halo_only=fits and n % shards == 0, halo_rows=wl + wr + rl + rr if fits else None)
+         halo_only=fits and n % shards == 0, halo_rows=g.scatter_sent(n, shards) if fits else None)
   if fits:
     plan = spmd.partition(_max_pool_gradient(g, (1,)), mesh=mesh, in_specs=(spec, spec)).plan(x, ct)
     assert {c.kind for c in _scatters(plan)} <= {"collective-permute"}, plan.explain()

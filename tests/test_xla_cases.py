@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
-from helpers import get_mesh, randn, xla_bytes
+from helpers import get_mesh, indices, ints, no_more_than_xla, randn, xla_bytes
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 # XLA's weight-gradient form f01b_i01o->01bf: lhs (C, H, W, N), rhs (I, H, W, O), out (H, W, N, C)
@@ -32,21 +32,6 @@ def case(fn: Callable[[], None]) -> Callable[[], None]:
   """Registers a case: a function of no arguments that runs its checks."""
   CASES.append(fn)
   return fn
-
-
-def no_more_than_xla(fn: Callable, args: tuple, in_specs, mesh: str, out_specs=None) -> None:
-  """``check``, and the plan moves no more bytes per device than XLA's own partitioner."""
-  plan = check(fn, args, in_specs, mesh, out_specs=out_specs)
-  assert plan.total_bytes <= xla_bytes(fn, args, in_specs, mesh, out_specs), plan.explain()
-
-
-def ints(*shape: int, seed: int = 0, high: int = 100) -> np.ndarray:
-  return np.random.default_rng(seed).integers(-high, high, shape).astype(np.int32)
-
-
-def indices(size: int, *shape: int, seed: int = 0) -> np.ndarray:
-  """``shape`` int32 indices in [0, size)."""
-  return np.random.default_rng(seed).integers(0, size, shape).astype(np.int32)
 
 
 def argmax_reduce(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

@@ -16,8 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, plan_halo,
-                                          plan_reversal, plan_rotation, plan_scatter_halos)
+from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, joint_mirrors,
+                                          plan_halo, plan_reversal, plan_rotation,
+                                          plan_scatter_halos)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, plan_reshard
@@ -189,8 +190,8 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
                    TensorSharding(_sharding(tf, axes).dims, pending,
                                   rule.combiner if pending else "sum")
                    for v, tf in zip(c.results, rule.results))
-  halos = tuple(h for w in rule.windows if axes[w.factor]
-                for h in _halos(w, axes[w.factor], mesh))
+  halos = joint_mirrors(tuple(h for w in rule.windows if axes[w.factor]
+                             for h in _halos(w, axes[w.factor], mesh)))
   return Execution(c, axes, needs, produces, halos)
 
 

@@ -56,18 +56,26 @@ def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshSha
   set to ``pad_value``, dilated by the base dilation: the buffer its span is sliced from."""
   d = halo.dim
 
+  pad = jnp.asarray(pad_value, x.dtype)
+
   def fetch(hop: Hop) -> jax.Array:
     if hop.side == "left":
-      piece = lax.slice_in_dim(x, x.shape[d] - hop.rows, x.shape[d], axis=d)
+      end = x.shape[d] - hop.skip
+      piece = lax.slice_in_dim(x, end - hop.rows, end, axis=d)
     else:
-      piece = lax.slice_in_dim(x, 0, hop.rows, axis=d)
+      piece = lax.slice_in_dim(x, hop.skip, hop.skip + hop.rows, axis=d)
     return _receive(piece, hop, mesh, received, prefix)
 
+  def unsent(rows: int) -> list[jax.Array]:
+    """The skipped halo rows, which no span reads: pad."""
+    shape = list(x.shape)
+    shape[d] = rows
+    return [jnp.full(shape, pad)] if rows else []
+
   every = hops(halo)
-  parts = ([fetch(h) for h in reversed(every) if h.side == "left"] + [x]
-           + [fetch(h) for h in every if h.side == "right"])
+  parts = ([fetch(h) for h in reversed(every) if h.side == "left"] + unsent(halo.skip_left)
+           + [x] + unsent(halo.skip_right) + [fetch(h) for h in every if h.side == "right"])
   buf = lax.concatenate(parts, d) if len(parts) > 1 else x
-  pad = jnp.asarray(pad_value, buf.dtype)
   if halo.before > halo.left or halo.after > halo.right:  # the span reaches past the array
     config = [(0, 0, 0)] * buf.ndim
     config[d] = (halo.before - halo.left, halo.after - halo.right, 0)

@@ -16,6 +16,7 @@ two shards its rows rotate from (``Rotation``). halo.py carries these exchanges 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,9 +70,9 @@ class Start:
 class Hop:
   """One ppermute of an exchange along dim ``dim`` split in ``shards`` blocks of ``block`` rows:
   block i receives ``rows`` rows from block i - ``distance`` (``side`` "left": the sender's last
-  rows), from block i + ``distance`` ("right": its first rows), from block i + ``distance``
-  cyclically starting at row ``starts[sender]`` ("rotate"), or block ``shards - 1 - i`` whole
-  ("mirror")."""
+  rows but ``skip``), from block i + ``distance`` ("right": its first rows after ``skip``), from
+  block i + ``distance`` cyclically starting at row ``starts[sender]`` ("rotate"), or block
+  ``shards - 1 - i`` whole ("mirror")."""
 
   dim: int
   shards: int
@@ -81,6 +82,7 @@ class Hop:
   distance: int
   rows: int
   starts: tuple[int, ...] = ()
+  skip: int = 0
 
   @property
   def pairs(self) -> list[tuple[int, int]]:
@@ -99,9 +101,11 @@ class Hop:
 class Halo:
   """The exchange along one sharded dim of one operand: ``left``/``right`` rows come from
   neighbours (several hops when wider than a shard); the shard's buffer holds ``before`` rows
-  before its own and ``after`` after (those past the received ones lie outside the array). Shard
-  i's span starts at position ``first(i)`` of the padded-dilated coordinates and is ``length``
-  positions long."""
+  before its own and ``after`` after (those past the received ones lie outside the array); the
+  ``skip_left`` / ``skip_right`` halo rows next to its block no span reads are not sent (a window
+  starting past the shard's own rows, as a shift by more than a block does). Shard i's span
+  starts at position ``first(i)`` of the padded-dilated coordinates and is ``length`` positions
+  long."""
 
   operand: int
   dim: int
@@ -115,17 +119,21 @@ class Halo:
   length: int
   first: Start
   dilation: int = 1
+  skip_left: int = 0
+  skip_right: int = 0
 
   @property
   def block(self) -> int:
     return -(-self.size // self.shards)
 
-  def hop_rows(self, width: int) -> list[int]:
-    """Rows carried by hop 1, 2, ... to cover ``width`` rows of halo."""
-    rows, out = width, []
-    while rows > 0:
-      out.append(min(rows, self.block))
-      rows -= self.block
+  def hop_rows(self, width: int, skip: int = 0) -> list[tuple[int, int, int]]:
+    """(distance, rows, skip) of each hop carrying halo rows [skip, width), counted from the
+    block's edge: hop k covers rows [(k-1)*block, k*block); a hop of skipped rows only is none."""
+    out = []
+    for k in range(1, -(-width // self.block) + 1):
+      near, far = max(skip, (k - 1) * self.block), min(width, k * self.block)
+      if near < far:
+        out.append((k, far - near, near - (k - 1) * self.block))
     return out
 
   def uncovered(self) -> tuple[int, int]:
@@ -150,16 +158,22 @@ def _halo(operand: int, dim: int, axes: Axes, size: int, shards: int, length: in
   when it would move more than gathering the dim (all of its blocks)."""
   block = -(-size // shards)
   left = right = before = after = 0
+  skips_left, skips_right = [block * shards], [block * shards]
   for i in range(active):
     lo, hi = -(-first(i) // dilation), -(-(first(i) + length) // dilation)
     before, after = max(before, block * i - lo), max(after, hi - block * (i + 1))
     lo, hi = needed[i] if needed is not None else (max(lo, 0), min(hi, size))
     if lo < hi:
       left, right = max(left, block * i - lo), max(right, hi - block * (i + 1))
+      if lo < block * i:
+        skips_left.append(block * i - min(hi, block * i))
+      if hi > block * (i + 1):
+        skips_right.append(max(lo, block * (i + 1)) - block * (i + 1))
   if left + right > shards * block:
     return None
   return Halo(operand, dim, axes, size, shards, left, right, max(before, left),
-              max(after, right), length, first, dilation)
+              max(after, right), length, first, dilation, min(min(skips_left), left),
+              min(min(skips_right), right))
 
 
 def plan_halo(operand: int, dim: int, axes: Axes, window: Window, shards: int) -> Halo | None:
@@ -198,13 +212,21 @@ def plan_scatter_halos(dim: int, axes: Axes, window: Window,
 
 @dataclass(frozen=True)
 class Mirror:
-  """rev along a sharded dim: shard i takes shard n-1-i's block (then reverses it)."""
+  """rev along a sharded dim: shard i takes shard n-1-i's block (then reverses it). ``also``:
+  the further evenly split dims (and their shard counts) mirrored by the same permute, whose
+  axes follow ``dim``'s in ``axes``: over them all the mirrored block is at the mirrored linear
+  index (as XLA permutes a block reversed along several dims once)."""
 
   operand: int
   dim: int
   axes: Axes
   size: int
   shards: int
+  also: tuple[tuple[int, int], ...] = ()
+
+  @property
+  def dims(self) -> tuple[int, ...]:
+    return (self.dim, *(d for d, _ in self.also))
 
   @property
   def block(self) -> int:
@@ -225,6 +247,18 @@ def plan_reversal(operand: int, dim: int, axes: Axes, size: int,
   if padded == size:
     return (mirror,)
   return mirror, plan_rotation(operand, dim, axes, padded, shards, size - padded)
+
+
+def joint_mirrors(exchanges: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
+  """``exchanges`` with the mirrors of evenly split dims (no rotation after them) made one
+  mirror of them all: one permute of the block rather than one per dim."""
+  rotated = {x.dim for x in exchanges if isinstance(x, Rotation)}
+  even = [x for x in exchanges if isinstance(x, Mirror) and x.dim not in rotated]
+  if len(even) < 2:
+    return exchanges
+  joint = dataclasses.replace(even[0], axes=tuple(a for m in even for a in m.axes),
+                              also=tuple((m.dim, m.shards) for m in even[1:]))
+  return tuple(joint if x is even[0] else x for x in exchanges if x not in even[1:])
 
 
 @dataclass(frozen=True)
@@ -301,11 +335,12 @@ def hops(x: Exchange) -> list[Hop]:
   if isinstance(x, Rotation):
     return [h for h in x.pieces if h.distance]
   if isinstance(x, Mirror):
-    return [Hop(x.dim, x.shards, x.axes, x.block, "mirror", 0, x.block)]
-  return ([Hop(x.dim, x.shards, x.axes, x.block, "left", k, rows)
-           for k, rows in enumerate(x.hop_rows(x.left), 1)]
-          + [Hop(x.dim, x.shards, x.axes, x.block, "right", k, rows)
-             for k, rows in enumerate(x.hop_rows(x.right), 1)])
+    shards = x.shards * math.prod(n for _, n in x.also)
+    return [Hop(x.dim, shards, x.axes, x.block, "mirror", 0, x.block)]
+  return ([Hop(x.dim, x.shards, x.axes, x.block, "left", k, rows, skip=skip)
+           for k, rows, skip in x.hop_rows(x.left, x.skip_left)]
+          + [Hop(x.dim, x.shards, x.axes, x.block, "right", k, rows, skip=skip)
+             for k, rows, skip in x.hop_rows(x.right, x.skip_right)])
 
 
 def geometry(x: Exchange) -> Exchange:

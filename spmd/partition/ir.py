@@ -371,6 +371,26 @@ def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
   return x if maker.primitive in ("square", "abs") or squared else None
 
 
+def _static_dynamic_slices(ops: list[Op]) -> None:
+  """Replaces every ``dynamic_slice`` whose start indices are all literals by the ``slice`` it
+  takes (starts clamped into the operand, as dynamic_slice clamps them), here and in regions,
+  as XLA's simplifier does: a slice of a sharded dim is a halo of the rows it needs, not a
+  gather of the dim."""
+  for k, op in enumerate(ops):
+    for region in op.regions:
+      _static_dynamic_slices(region.ops)
+    if op.eqn.primitive is not lax.dynamic_slice_p or not all(
+        isinstance(i, Literal) for i in op.inputs[1:]):
+      continue
+    sizes, shape = op.params["slice_sizes"], op.inputs[0].aval.shape
+    starts = tuple(min(max(int(i.val), 0), n - size)
+                   for i, n, size in zip(op.inputs[1:], shape, sizes))
+    params = {"start_indices": starts, "strides": None,
+              "limit_indices": tuple(b + size for b, size in zip(starts, sizes))}
+    eqn = op.eqn.replace(primitive=lax.slice_p, params=params, invars=list(op.eqn.invars[:1]))
+    ops[k] = replace(op, primitive="slice", params=params, inputs=op.inputs[:1], eqn=eqn)
+
+
 def _merge_pad_slices(ops: list[Op]) -> None:
   """Replaces every unit-stride ``slice`` of a ``pad``'s result by one ``pad`` of the pad's
   operand whose low and high widths cut what the slice cuts (negative where it cuts into the
@@ -509,14 +529,16 @@ def literal_key(val: Any) -> Any:
 
 def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged,
-  constants folded, rolls made one op, slices of pads made pads, dead ops dropped, loop
-  invariants read from outside their loops, ops numbered depth-first. ``platform`` (as JAX
+  constants folded, dynamic slices at literal starts made slices, rolls made one op, slices of
+  pads made pads, dead ops dropped, loop invariants read from outside their loops, ops numbered
+  depth-first. ``platform`` (as JAX
   lowers for it: "cpu", "cuda", "tpu") picks the branch of each platform-dependent cond."""
   builder = _Builder(platform)
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
   ops, folded = fold_constants(ops)
   folded += fold_region_empties(ops)
+  _static_dynamic_slices(ops)
   fuse_rolls(ops)
   _merge_pad_slices(ops)
   program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())

@@ -19,7 +19,7 @@ from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
-from spmd.partition.halo_geometry import Exchange, Rotation, geometry
+from spmd.partition.halo_geometry import Exchange, Mirror, Rotation, geometry
 from spmd.partition.ir import Op, Value
 from spmd.partition.primitives import bind, describe, operands
 from spmd.partition.rules.reduce import identity
@@ -142,9 +142,10 @@ def rev(local: Local, args: list) -> list:
     if isinstance(h, Rotation):
       x = rotate(x, h, shard_index(h.axes), local.mesh, local.received, local.prefix(0, chain))
     else:
-      x = lax.rev(mirror(x, h, local.mesh, local.received, local.prefix(0, chain)), (h.dim,))
+      x = lax.rev(mirror(x, h, local.mesh, local.received, local.prefix(0, chain)), h.dims)
     chain += (geometry(h),)
-  rest = tuple(d for d in local.op.params["dimensions"] if d not in {h.dim for h in local.halos})
+  done = {d for h in local.halos for d in (h.dims if isinstance(h, Mirror) else (h.dim,))}
+  rest = tuple(d for d in local.op.params["dimensions"] if d not in done)
   return bind(local.op, [x], dimensions=rest)
 
 
