@@ -121,13 +121,21 @@ class _Compiled:
                    donate_argnums=self.donated)
 
   @functools.cached_property
-  def executable(self) -> jax.stages.Compiled:
-    """``whole`` compiled for its inputs' avals and shardings: a call checks its arguments'
-    shapes, dtypes and committed shardings itself (in C++, as ``jax.jit`` does) and raises
-    rather than retraces on a mismatch."""
+  def lowered(self) -> jax.stages.Lowered:
+    """``whole`` lowered for its inputs' avals (its in_shardings fixed): one lowering for
+    ``executable`` and ``lower`` whether the arguments arrive committed or not (JAX keys its
+    cache of lowerings by the arguments' types, and a committed array's type names its mesh),
+    so that ``lower(...).compile()`` finds the program a call compiled."""
     return self.whole.lower(*tree_unflatten(self.in_tree, [
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in self.analysis.program.inputs])).compile()
+        for v in self.analysis.program.inputs]))
+
+  @functools.cached_property
+  def executable(self) -> jax.stages.Compiled:
+    """``lowered`` compiled: a call checks its arguments' shapes, dtypes and committed
+    shardings itself (in C++, as ``jax.jit`` does) and raises rather than retraces on a
+    mismatch."""
+    return self.lowered.compile()
 
   def execute(self, leaves: Sequence[Any]) -> Any:
     """``executable``'s outputs (their pytree, before ``rebuilt``) for the arguments' flat
@@ -274,10 +282,9 @@ class Partitioned:
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
     compiled, leaves = self._compile(args)
-    placed = self._placed(compiled.analysis, leaves)
     if compiled.in_shardings is None:
-      return compiled.fn.lower(*placed)
-    return compiled.whole.lower(*tree_unflatten(compiled.in_tree, placed))
+      return compiled.fn.lower(*self._placed(compiled.analysis, leaves))
+    return compiled.lowered
 
   # --- NNX modules as arguments ----------------------------------------------------------------
 

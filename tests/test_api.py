@@ -315,6 +315,30 @@ def test_lower_returns_a_jax_lowered(mesh):
   assert "all-reduce" in lowered.compile().as_text()
 
 
+def test_lower_after_a_call_with_committed_arguments_compiles_nothing(mesh):
+  """``lower(...).compile()`` reuses the program a call compiled, also for committed arguments
+  (a step's outputs fed back), whose types name their mesh: the two used to lower apart."""
+  def step(w, x):
+    return w - 0.1 * jnp.tanh(x @ w).sum(0), jnp.sum(x @ w)
+
+  g = spmd.partition(step, mesh=mesh, in_specs=(None, P("data", None)))
+  w = g(W[:, :16], X)[0]  # committed to the mesh
+  assert w.committed
+  g(w, X)
+  compiles = []
+
+  def count(event: str, *_: object, **__: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    g.lower(w, X).compile()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert not compiles
+
+
 def test_plan_accepts_abstract_values(mesh):
   g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
   plan = g.plan(jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 32),
