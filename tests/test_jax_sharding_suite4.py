@@ -142,6 +142,20 @@ def custom_vjp_with_sharded_residuals_under_grad():
 
 
 @case
+def grad_of_a_partitioned_function_calling_custom_vjp_and_custom_jvp():
+  """jax.grad outside: spmd differentiates the original function (its custom rules) and
+  partitions that VJP."""
+  mesh = get_mesh("a2b4")
+  loss = lambda x, w: softplus(clipped_matmul(x, w)).mean()  # noqa: E731
+  specs = (P("a", "b"), P("b"))
+  ours = jax.grad(spmd.partition(loss, mesh=mesh, in_specs=specs), (0, 1))
+  theirs = jax.grad(jax.jit(loss, in_shardings=named(mesh, specs)), (0, 1))
+  got, want = ours(X, W), theirs(X, W)
+  assert_trees_match(got, want)
+  assert_like_jit(got, want)
+
+
+@case
 def custom_jvp_value_and_grad():
   check_jit(jax.value_and_grad(lambda x, w: softplus(x @ w).mean(), 1), (X, W),
             (P("a"), P(None, "b")), "a2b4")
