@@ -414,7 +414,11 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
-    out_shardings = self._returned_shardings(requests, analysis)
+    in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
+                         zip(requested, analysis.schedule.inputs, program.inputs))
+    first = next(((sharding, len(v.shape)) for r, sharding, v in
+                  zip(requested, in_shardings, program.inputs) if r is not None), None)
+    out_shardings = self._returned_shardings(requests, analysis, first)
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)
                for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -424,8 +428,6 @@ class Partitioned:
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
     donated_args = {i % len(args) for i in self.donate_argnums}
-    in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
-                         zip(requested, analysis.schedule.inputs, program.inputs))
     return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis, in_shardings),
                      out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
@@ -581,15 +583,25 @@ class Partitioned:
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(requests, program.outputs, paths))
 
-  def _returned_shardings(self, requests: list[P | NamedSharding | None],
-                          analysis: Analysis) -> tuple[NamedSharding, ...]:
+  def _returned_shardings(self, requests: list[P | NamedSharding | None], analysis: Analysis,
+                          first: tuple[NamedSharding, int] | None) -> tuple[NamedSharding, ...]:
     """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
     output's request (``_out_requests``: its out_specs entry as given, logical names resolved)
     where the program makes that sharding, else the program's spec as JAX spells a sharding it
-    infers: one entry per dim on a mesh with Explicit axes (the output's type), else without
-    trailing Nones."""
-    return tuple(self._spelled(given, s, len(x.aval.shape)) for given, s, x in zip(
-        requests, analysis.schedule.outputs, analysis.program.outputs))
+    infers: one entry per dim on a mesh with Explicit axes (the output's type), else the
+    ``first`` input's sharding as in_specs spell it where the output has its rank and is sharded
+    alike (JAX recovers the user's spelling so: pxla's ``maybe_recover_user_shardings``), else
+    without trailing Nones."""
+    explicit = AxisType.Explicit in self.mesh.axis_types
+    out = []
+    for given, s, x in zip(requests, analysis.schedule.outputs, analysis.program.outputs):
+      ndim = len(x.aval.shape)
+      made = self._spelled(given, s, ndim)
+      if (given is None and not explicit and first is not None and first[1] == ndim
+          and first[0].is_equivalent_to(made, ndim)):
+        made = first[0]
+      out.append(made)
+    return tuple(out)
 
   def _spelled(self, given: P | NamedSharding | None, s: TensorSharding,
                ndim: int) -> NamedSharding:
@@ -739,11 +751,16 @@ def _inexact(aval: Any) -> bool:
 
 
 def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
-  """The spec of a JAX array committed to ``mesh``'s devices; None for anything else."""
-  if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+  """The spec of a JAX array committed to ``mesh``'s devices, or of an abstract argument
+  (``jax.ShapeDtypeStruct``) given a sharding on them, which ``jax.jit``'s ``lower`` takes as
+  committed; None for anything else."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    committed, sharding = leaf.sharding is not None, leaf.sharding
+  elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    committed, sharding = leaf.committed, leaf.sharding
+  else:
     return None
-  sharding = leaf.sharding
-  if (leaf.committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
+  if (committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
       and sharding.mesh.axis_names == mesh.axis_names
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
     return sharding.spec

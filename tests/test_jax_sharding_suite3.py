@@ -7,6 +7,7 @@ and output shardings) and, where a partitioned program is built, its plan with t
 and test_nested_shard_map.py are not repeated."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -840,19 +841,70 @@ def vmap_of_a_partitioned_function_with_an_unchecked_shard_map():
   same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
 
 
+@case
 def vmap_of_a_partitioned_function_with_a_checked_shard_map():
+  """A checked body's psum binds psum_invariant, which refused the unchecked re-trace vmap makes
+  of spmd's program: the body is now evaluated in its unchecked form (unchecked.py)."""
   ours, theirs = both(psum_body_fn, (P("a", "b"), P("b")))
   xs = randn(3, 8, 16, seed=2)
   same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
 
 
-CASES.append(pytest.param(
-    vmap_of_a_partitioned_function_with_a_checked_shard_map,
-    id=vmap_of_a_partitioned_function_with_a_checked_shard_map.__name__, marks=pytest.mark.xfail(
-        strict=True, raises=ValueError,
-        reason="spmd inlines a checked (check_vma=True) body, its psum_invariant included, into "
-               "its own unchecked shard_map; jax.vmap re-traces that shard_map unchecked, where "
-               "values carry no varying axes and psum_invariant refuses its operand")))
+def _scanned_psum(b, v):
+  """A psum inside the body's own scan (its body evaluated unchecked too)."""
+  def step(c, _):
+    return c + lax.psum(jnp.tanh(b @ v + c), "b"), None
+  return lax.scan(step, lax.psum(b @ v, "b") * 0, None, length=2)[0]
+
+
+# Checked bodies (check_vma=True) binding each collective: (body, in_specs, out_specs) of
+# (x f32[8,16], w f32[16,8]).
+CHECKED_BODIES = {
+    "pmax": (lambda b, v: lax.pmax(jnp.tanh(b @ v), "b"), (P("a", "b"), P("b")), P("a")),
+    "all_gather": (lambda b, v: jnp.tanh(lax.all_gather(b, "b", axis=1, tiled=True) @ v),
+                   (P("a", "b"), P()), P("a", "b")),
+    "ppermute": (lambda b, v: lax.ppermute(jnp.tanh(b) * v.sum(), "b",
+                                           [(i, (i + 1) % 4) for i in range(4)]),
+                 (P("a", "b"), P()), P("a", "b")),
+    "psum_scatter": (lambda b, v: lax.psum_scatter(jnp.tanh(b @ v), "b", scatter_dimension=1,
+                                                   tiled=True), (P("a", "b"), P("b")),
+                     P("a", "b")),
+    "psum_in_scan": (_scanned_psum, (P("a", "b"), P("b")), P("a")),
+}
+
+
+def _checked_body_fn(name: str) -> Callable:
+  body, in_specs, out_specs = CHECKED_BODIES[name]
+  return lambda x, w: smap(body, in_specs, out_specs)(x, w)  # noqa: E731
+
+
+def vmap_of_a_checked_body(name: str) -> None:
+  ours, theirs = both(_checked_body_fn(name), (P("a", "b"), P("b")))
+  xs = randn(3, 8, 16, seed=2)
+  same(jax.vmap(ours, (0, None))(xs, W), jax.vmap(theirs, (0, None))(xs, W))
+
+
+def grad_of_a_checked_body(name: str) -> None:
+  fn = _checked_body_fn(name)
+  loss = lambda x, w: (fn(x, w) ** 2).mean()  # noqa: E731
+  ours, theirs = both(loss, (P("a", "b"), P("b")))
+  same(jax.grad(ours, (0, 1))(X, W), jax.grad(theirs, (0, 1))(X, W))
+
+
+def vmap_of_grad_of_a_checked_body(name: str) -> None:
+  fn = _checked_body_fn(name)
+  loss = lambda x, w: (fn(x, w) ** 2).mean()  # noqa: E731
+  ours, theirs = both(loss, (P("a", "b"), P("b")))
+  xs = randn(3, 8, 16, seed=2)
+  batched = lambda f: jax.vmap(jax.grad(f, (0, 1)), (0, None))  # noqa: E731
+  same(batched(ours)(xs, W), batched(theirs)(xs, W))
+
+
+CASES.extend(pytest.param(functools.partial(check, name), id=f"{check.__name__}_{name}")
+             for check in (vmap_of_a_checked_body, grad_of_a_checked_body,
+                           vmap_of_grad_of_a_checked_body)
+             for name in CHECKED_BODIES
+             if check is vmap_of_a_checked_body or name != "pmax")  # JAX differentiates no pmax
 
 
 @pytest.mark.parametrize("run", [c if not callable(c) else pytest.param(c, id=c.__name__)

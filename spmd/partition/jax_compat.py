@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 # JAX's modules that define the primitives of the programs users write (lax and its control
@@ -80,38 +79,6 @@ def lowering_platform(device: Any) -> str:
   """The platform JAX lowers programs for ``device`` to ("gpu" devices: "cuda" or "rocm")."""
   from jax._src import xla_bridge  # noqa: PLC0415 (JAX's own name resolution; no public API)
   return xla_bridge.canonicalize_platform(device.platform)
-
-
-def check_vma(enabled: bool) -> Any:
-  """A context in which primitives type-check their varying manual axes (``enabled``) or not, as
-  inside a ``jax.shard_map(..., check_vma=enabled)``: spmd's own shard_map checks none, a user's
-  body inside it may (its ``psum`` binds ``psum_invariant``, which needs a varying operand)."""
-  from jax._src import config  # noqa: PLC0415 (shard_map's own switch; no public API)
-  return config._check_vma(enabled)  # noqa: SLF001
-
-
-def varying_axes(aval: Any) -> tuple[str, ...]:
-  """The manual mesh axes a value of ``aval`` varies over inside a checked shard_map."""
-  return tuple(sorted(aval.mat.varying))
-
-
-def vary(x: Any, axes: tuple[str, ...]) -> Any:
-  """``x`` typed as varying over ``axes`` too (no data moves: JAX lowers it to nothing)."""
-  missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def unvaried(x: Any) -> Any:
-  """``x`` typed as spmd's own unchecked program types its values, varying over no axis
-  (control flow compares its branches' and carries' types): a select of one case, which lowers
-  to nothing and, unchecked, gives an n-ary op's type. A key array through its key data (XLA
-  lowers no select of keys with one case)."""
-  if not jax.typeof(x).mat.varying:
-    return x
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.random.wrap_key_data(unvaried(jax.random.key_data(x)),
-                                    impl=jax.random.key_impl(x))
-  return jax.lax.select_n_p.bind(np.zeros((), bool), x)
 
 
 def weakly_typed(x: Any) -> Any:

@@ -15,12 +15,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import user_site
 from spmd.partition.ir import Value, source_line
-from spmd.partition.jax_compat import check_vma, open_jaxpr, unvaried, varying_axes, vary
+from spmd.partition import unchecked
+from spmd.partition.jax_compat import open_jaxpr
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
@@ -97,16 +97,9 @@ def rule(op: Op) -> OpShardingRule:
 
 
 def lower(local: Local, args: list) -> list:
-  """The body evaluated on the local shards, each made varying over the axes the body's input
-  varies over where the user's shard_map checks it (``check_vma``), as JAX's shard_map does; its
-  results typed back as spmd's unchecked program types values."""
-  jaxpr, consts = open_jaxpr(local.op.params["jaxpr"])
-  checked = local.op.params["check_vma"]
-  with check_vma(checked):
-    if checked:
-      args = [vary(a, varying_axes(v.aval)) for a, v in zip(args, jaxpr.invars)]
-    outs = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, consts))(*args)
-  return [unvaried(out) for out in outs]
+  """The body evaluated on the local shards in its unchecked form (unchecked.py), as spmd's
+  program and JAX's re-traces of it (``jax.vmap``) type values."""
+  return unchecked.evaluate(local.op.params["jaxpr"], args)
 
 
 def bind_whole(op: Op, args: list) -> list:
