@@ -81,6 +81,14 @@ def lowering_platform(device: Any) -> str:
   return xla_bridge.canonicalize_platform(device.platform)
 
 
+def check_vma(enabled: bool) -> Any:
+  """A context in which primitives type-check their varying manual axes (``enabled``) or not, as
+  inside a ``jax.shard_map(..., check_vma=enabled)``: a partly manual region's body is traced
+  unchecked outside any shard_map (its ``lax.psum`` then binds ``psum``, which vmap batches)."""
+  from jax._src import config  # noqa: PLC0415 (shard_map's own switch; no public API)
+  return config._check_vma(enabled)  # noqa: SLF001
+
+
 def weakly_typed(x: Any) -> Any:
   """``x`` weakly typed, as ``jax.jit`` returns an output whose aval is (a Python scalar's
   arithmetic): the local program may compute it from literals bound strongly typed."""

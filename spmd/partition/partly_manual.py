@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jcore
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
 from spmd.partition.annotation import annotate
+from spmd.partition import unchecked
 from spmd.partition.jax_compat import check_vma, open_jaxpr
-from spmd.partition.primitives import describe
 from spmd.partition.roll import roll_p
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
@@ -41,11 +40,14 @@ def region_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] |
   manual = [a for a in mesh.axis_names if a in params["newly_manual_axes"]]
   if len(manual) == len(mesh.axis_names):
     return None
-  jaxpr, consts = open_jaxpr(params["jaxpr"])
+  jaxpr = open_jaxpr(params["jaxpr"])[0]
   sizes = dict(mesh.shape)
   ins = [_dim_axes(s, len(x.aval.shape)) for s, x in zip(params["in_specs"], inputs)]
   outs = [_dim_axes(s, len(v.aval.shape)) for s, v in zip(params["out_specs"], jaxpr.outvars)]
-  body = _unchecked(jaxpr, consts, {a: sizes[a] for a in manual})
+
+  def body(*args: Any) -> list:
+    with check_vma(False):
+      return unchecked.evaluate(params["jaxpr"], args, _REWRITES)
 
   # Unchecked (check_vma=False), a result its out_specs leave whole along a manual axis may still
   # vary over it: JAX returns the first block's, so it is mapped and its first block taken.
@@ -160,72 +162,18 @@ def _permute_blocks(axis_data: Any, args: Sequence[Any], dims: Sequence[int | No
 batching.fancy_primitive_batchers[block_permute_p] = _permute_blocks
 
 
-def _ppermute(x: Any, *, axis_name: tuple[str, ...], perm: tuple) -> Any:
-  if len(axis_name) > 1:  # over several axes at once: JAX's own batching (a gather)
-    return lax.ppermute(x, axis_name, perm)
-  return block_permute_p.bind(x, axis_name=tuple(axis_name), perm=tuple(map(tuple, perm)))
+def _ppermute(params: Mapping[str, Any], args: list, _: Any) -> list:
+  """A ppermute over one manual axis as ``block_permute``; over several, JAX's own batching (a
+  gather of the blocks)."""
+  (x,), axes, perm = args, tuple(params["axis_name"]), tuple(map(tuple, params["perm"]))
+  if len(axes) > 1:
+    return [lax.ppermute(x, axes, perm)]
+  return [block_permute_p.bind(x, axis_name=axes, perm=perm)]
 
 
-# The collectives a checked body (``check_vma=True``) binds, as the unchecked ones ``vmap``
-# batches over a named axis (psum_invariant a psum, all_gather_invariant an all_gather, pvary, a
-# type cast, the identity), and ppermute as the blocks' permutation.
-_UNCHECKED: dict[str, Callable[..., Any]] = {
-    "psum_invariant": lambda x, *, axes: lax.psum(x, axes),
-    "all_gather_invariant": lambda x, *, all_gather_dimension, axis_name, axis_size, tiled:
-        lax.all_gather(x, axis_name, axis=all_gather_dimension, tiled=tiled),
-    "pvary": lambda *xs, **_: xs,
-    "ppermute": _ppermute,
-}
-
-
-def _unchecked(jaxpr: Any, consts: Sequence[Any], axes: Mapping[str, int]) -> Callable:
-  """The body's jaxpr as a function binding its collectives unchecked (``_UNCHECKED``), each
-  equation under its own source line; calls are inlined and control flow's bodies re-traced
-  alike (with the manual ``axes`` bound), so that no value is typed as varying over them."""
-  def run(*args: Any) -> list:
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
-    with check_vma(False):
-      for eqn in jaxpr.eqns:
-        with source_info_util.user_context(eqn.source_info.traceback,
-                                           name_stack=eqn.source_info.name_stack):
-          outs = _bind(eqn, [read(v) for v in eqn.invars], axes)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
-  return run
-
-
-def _bind(eqn: Any, args: list, axes: Mapping[str, int]) -> Sequence[Any]:
-  unchecked = _UNCHECKED.get(eqn.primitive.name)
-  if unchecked is not None:
-    out = unchecked(*args, **eqn.params)
-    return out if eqn.primitive.name == "pvary" else [out]
-  info = describe(eqn.primitive)
-  inline = None if info is None or info.inline is None else info.inline(eqn.params, args)
-  if inline is not None:
-    body, inputs = inline
-    return _unchecked(*open_jaxpr(body), axes)(*inputs)
-  params = {k: _retyped(v, axes) for k, v in eqn.primitive.get_bind_params(eqn.params).items()}
-  out = eqn.primitive.bind(*args, **params)
-  return out if eqn.primitive.multiple_results else [out]
-
-
-def _retyped(param: Any, axes: Mapping[str, int]) -> Any:
-  """A param holding bodies (a jaxpr or a tuple of them) with the bodies re-traced unchecked;
-  any other param as it is."""
-  if isinstance(param, tuple) and param and all(_is_jaxpr(p) for p in param):
-    return tuple(_retyped(p, axes) for p in param)
-  if not _is_jaxpr(param):
-    return param
-  jaxpr, consts = open_jaxpr(param)
-  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-           for v in jaxpr.invars]
-  closed = jax.make_jaxpr(_unchecked(jaxpr, consts, axes), axis_env=list(axes.items()))(*avals)
-  return closed if param is not jaxpr else open_jaxpr(closed)[0]
-
-
-def _is_jaxpr(x: Any) -> bool:
-  return hasattr(open_jaxpr(x)[0], "eqns")
+# The body evaluated unchecked (vmap batches only unchecked collectives), its ppermutes moving
+# the stacked blocks.
+_REWRITES: unchecked.Rewrites = {**unchecked.REWRITES, "ppermute": _ppermute}
 
 
 def positional_reduction(reduce: Callable[..., Any]) -> Callable:
