@@ -180,6 +180,19 @@ def assert_like_jit(got: Any, want: Any) -> None:
         f"{w.dtype}, weak {want_weak}")
 
 
+def check_committed(fn: Callable, args: tuple, specs: tuple, mesh: Mesh) -> spmd.Plan:
+  """JAX's explicit-sharding tests' form: arguments committed to ``mesh`` as ``specs`` say (on a
+  mesh with Explicit axes their types carry the shardings), ``jax.jit`` without shardings under
+  ``jax.set_mesh``; spmd takes the committed arguments with in_specs None, and returns jax.jit's
+  values and output types."""
+  args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
+  with jax.set_mesh(mesh):
+    want = jax.jit(fn)(*args)
+  plan = assert_partitioned_matches(fn, args, None, mesh, reference=lambda *_: want)
+  assert_like_jit(spmd.partition(fn, mesh=mesh)(*args), want)
+  return plan
+
+
 def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
   """The plan's collectives move what the compiled program's do: the same bytes per device for
   every kind of collective (XLA may combine collectives of one kind into one instruction, as it

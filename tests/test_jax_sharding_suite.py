@@ -16,8 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, check_jit,
-                     get_mesh, named, randn)
+from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
+                     check_committed, check_jit, get_mesh, named, randn)
 
 CASES: list[Callable[[], None]] = []
 
@@ -39,16 +39,7 @@ X, W = randn(8, 16), randn(16, 8, seed=1)
 # --- explicit sharding mode -----------------------------------------------------------------------
 
 def check_explicit(fn: Callable, args: tuple, specs: tuple) -> spmd.Plan:
-  """JAX's explicit-sharding tests' form: arguments committed to an Explicit mesh (their types
-  carry the shardings), ``jax.jit`` without shardings under ``jax.set_mesh``; spmd takes the
-  committed arguments with in_specs None, and returns jax.jit's values and output types."""
-  mesh = explicit_mesh()
-  args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
-  with jax.set_mesh(mesh):
-    want = jax.jit(fn)(*args)
-  plan = assert_partitioned_matches(fn, args, None, mesh, reference=lambda *_: want)
-  assert_like_jit(spmd.partition(fn, mesh=mesh)(*args), want)
-  return plan
+  return check_committed(fn, args, specs, explicit_mesh())
 
 
 @case

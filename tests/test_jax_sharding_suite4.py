@@ -22,8 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, check_jit,
-                     check_plan, get_mesh, named, randn)
+from helpers import (assert_like_jit, assert_trees_match, check_committed, check_jit, check_plan,
+                     get_mesh, named, randn)
 
 CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
 X, W = randn(8, 16), randn(16, 8, seed=1)
@@ -49,15 +49,8 @@ def typed_mesh(*types: AxisType) -> jax.sharding.Mesh:
 
 def check_typed(fn: Callable, args: tuple, specs: tuple,
                 types: tuple[AxisType, ...] = (AxisType.Explicit,) * 2) -> spmd.Plan:
-  """Arguments committed to a mesh of ``types``, ``jax.jit`` without shardings under
-  ``jax.set_mesh`` (the explicit-sharding tests' form); spmd takes the committed arguments."""
-  mesh = typed_mesh(*types)
-  args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
-  with jax.set_mesh(mesh):
-    want = jax.jit(fn)(*args)
-  plan = assert_partitioned_matches(fn, args, None, mesh, reference=lambda *_: want)
-  assert_like_jit(spmd.partition(fn, mesh=mesh)(*args), want)
-  return plan
+  """helpers.check_committed on a mesh of ``types``."""
+  return check_committed(fn, args, specs, typed_mesh(*types))
 
 
 @case
