@@ -248,3 +248,13 @@ def test_fsdp_layers_gathered_over_a_manual_axis_in_a_scan():
 
   ws, x = randn(3, 8, 8) / 3, randn(16, 8, seed=1)
   assert_partitioned_matches(fsdp, (ws, x), (P(None, "a", None), P("a", "b")), MESH, rtol=1e-5)
+
+
+def test_smap_is_a_partly_manual_region():
+  """``jax.smap`` (a shard_map over one axis, given as in_axes/out_axes) under ``jax.set_mesh``."""
+  def f(x):
+    return jax.smap(lambda b: lax.psum(jnp.cos(b), "a") * 2, in_axes=0, out_axes=None,
+                    axis_name="a")(x)
+
+  with jax.set_mesh(get_mesh(MESH)):
+    assert_partitioned_matches(f, (randn(8, 6),), (P("a", "b"),), MESH, rtol=1e-5)
