@@ -531,8 +531,8 @@ def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged,
   constants folded, dynamic slices at literal starts made slices, rolls made one op, slices of
   pads made pads, dead ops dropped, loop invariants read from outside their loops, ops numbered
-  depth-first. ``platform`` (as JAX
-  lowers for it: "cpu", "cuda", "tpu") picks the branch of each platform-dependent cond."""
+  depth-first. ``platform`` (as JAX lowers for it: "cpu", "cuda", "tpu") picks the branch of
+  each platform-dependent cond."""
   builder = _Builder(platform)
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)

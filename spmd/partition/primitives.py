@@ -61,9 +61,9 @@ class Manual:
   """A user's manual region (``jax.shard_map``, manual.py): ``specs`` (its params) are the
   in_specs its operands are resharded to and the out_specs its results are written in (a region
   manual over every mesh axis: the record's ``inline`` expands one over only some);
-  ``shardings`` (op, mesh) are those specs as
-  each operand is read (None: a literal) and each result written; ``collectives`` (op, wire)
-  are its body's own; ``whole`` (op, operands) binds it on whole arrays (backend="xla")."""
+  ``shardings`` (op, mesh) are those specs as each operand is read (None: a literal) and each
+  result written; ``collectives`` (op, wire) are its body's own; ``whole`` (op, operands) binds
+  it on whole arrays (backend="xla")."""
 
   specs: Callable[[Mapping[str, Any]], tuple[tuple[Any, ...], tuple[Any, ...]]]
   shardings: Callable[["Op", Any], tuple[tuple, tuple]]
