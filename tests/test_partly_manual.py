@@ -157,12 +157,16 @@ def test_ppermute_over_a_manual_axis_of_four_stages(perm):
   assert_partitioned_matches(f, (randn(8, 6),), (P("b", "a"),), MESH)
 
 
-def test_a_permutation_of_several_shifts_is_a_gather_of_the_blocks():
-  """Pairs that move by different shifts (swapping neighbours) gather the stacked blocks, where
-  XLA permutes them in one collective: a known gap."""
+@pytest.mark.parametrize("perm", [
+    [(0, 1), (1, 0), (2, 3), (3, 2)],  # swapping neighbours: shifts +1 and -1
+    [(0, 2), (1, 1), (3, 0)],  # a block kept in place, one moved by 2, one by 1; 2 gets none
+])
+def test_a_permutation_of_several_shifts_is_one_roll_per_shift(perm):
+  """Pairs that move by different shifts roll the stacked blocks once per shift (but 0), 32 B
+  per device, where XLA permutes them in one collective, 16 B: a known gap (a gather of the
+  blocks moved 64 B)."""
   def f(x):
-    return smap(lambda b: lax.ppermute(b * 2, "b", [(0, 1), (1, 0), (2, 3), (3, 2)]), P("b"),
-                P("b"), axis_names={"b"})(x)
+    return smap(lambda b: lax.ppermute(b * 2, "b", perm), P("b"), P("b"), axis_names={"b"})(x)
 
   assert_partitioned_matches(f, (randn(16),), (P("b"),), MESH, above_xla=True)
 

@@ -134,8 +134,9 @@ def _permute_blocks(axis_data: Any, args: Sequence[Any], dims: Sequence[int | No
                     axis_name: tuple[str, ...], perm: tuple[tuple[int, int], ...]
                     ) -> tuple[Any, int | None]:
   """``block_permute`` under vmap: over another axis, bound again; over its own, the blocks on
-  the mapped dim moved from source to destination, by a roll where every pair moves by one
-  shift, else by a gather; a destination no pair names gets zeros, as under ppermute."""
+  the mapped dim moved from source to destination by one roll per distance the pairs move
+  (collective permutes; each destination takes its block from its pairs' roll); a destination
+  no pair names gets zeros, as under ppermute."""
   (x,), (d,) = args, dims
   if axis_data.name not in axis_name:
     return block_permute_p.bind(x, axis_name=axis_name, perm=perm), d
@@ -144,19 +145,24 @@ def _permute_blocks(axis_data: Any, args: Sequence[Any], dims: Sequence[int | No
     if len(perm) == k:  # the same block everywhere, moved onto itself
       return x, None
     x, d = jnp.broadcast_to(x, (k, *x.shape)), 0
-  shifts = {(dst - src) % k for src, dst in perm}
-  if len(shifts) == 1:
-    moved = roll_p.bind(x, shift=shifts.pop(), axis=d)
-  else:
-    sources = np.zeros(k, int)
-    for src, dst in perm:
-      sources[dst] = src
-    moved = jnp.take(x, sources, axis=d)
+  destinations: dict[int, list[int]] = {}
+  for src, dst in perm:
+    destinations.setdefault((dst - src) % k, []).append(dst)
+  moved = None
+  for shift, dsts in destinations.items():
+    rolled = roll_p.bind(x, shift=shift, axis=d) if shift else x
+    moved = rolled if moved is None else jnp.where(_blocks(dsts, k, d, x.ndim), rolled, moved)
   if len(perm) < k:
-    kept = np.zeros([k if i == d else 1 for i in range(x.ndim)], bool)
-    kept.flat[[dst for _, dst in perm]] = True
-    moved = jnp.where(kept, moved, jnp.zeros((), x.dtype))
+    moved = jnp.where(_blocks([dst for _, dst in perm], k, d, x.ndim), moved,
+                      jnp.zeros((), x.dtype))
   return moved, d
+
+
+def _blocks(indices: Sequence[int], k: int, dim: int, rank: int) -> np.ndarray:
+  """A mask true at ``indices`` along ``dim`` (of size ``k``), broadcasting along the others."""
+  mask = np.zeros([k if i == dim else 1 for i in range(rank)], bool)
+  mask.flat[list(indices)] = True
+  return mask
 
 
 batching.fancy_primitive_batchers[block_permute_p] = _permute_blocks
