@@ -89,7 +89,8 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
 class _Compiled:
   analysis: Analysis
   fn: Callable         # the jitted program over flat leaves (no custom derivative)
-  call: Callable       # ``fn`` with a partitioned backward pass, for jax.grad / jax.vjp
+  traced: Callable     # ``fn`` for traced leaves: in a jit without in_shardings
+  call: Callable       # ``traced`` with a partitioned backward pass, for jax.grad / jax.vjp
   out_tree: Any
   steady: bool         # called as compiled ahead of time: inputs split evenly, one process
   watched: tuple[int, ...]  # leaves whose plan depends on whether they arrive committed
@@ -253,10 +254,12 @@ class Partitioned:
         try:
           return compiled.outputs(compiled.call(*leaves))
         except TypeError as e:
-          clearer = _restate_forward_mode(e)
-          if clearer is None:
+          if not _refuses_forward_mode(e):
             raise
-          raise clearer from None
+        # Forward mode (jax.jvp, jacfwd, linearize), which JAX refuses through a custom_vjp:
+        # JAX's own rules differentiate the partitioned program, its tangents running through
+        # the same collectives.
+        return compiled.outputs(compiled.traced(*leaves))
       if key is not None:
         self._dispatch[key] = compiled
     leaves = self._placed(compiled.analysis, leaves)
@@ -428,7 +431,12 @@ class Partitioned:
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
     donated_args = {i % len(args) for i in self.donate_argnums}
-    return _Compiled(analysis, fn, self._differentiable(fn, flat_fun, analysis, in_shardings),
+    # Traced leaves (under jax.vmap, say) hide their committed shardings, which jax.jit's
+    # in_shardings would refuse where they differ: inside a jit without in_shardings, the
+    # program's in_shardings constrain its operands instead (XLA reshards them on entry).
+    traced = jax.jit(fn)
+    return _Compiled(analysis, fn, traced,
+                     self._differentiable(fn, traced, flat_fun, analysis, in_shardings),
                      out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
                      in_shardings if even else None, out_shardings)
@@ -454,8 +462,8 @@ class Partitioned:
           raise
         raise clearer from None
 
-  def _differentiable(self, fn: Callable, flat_fun: Callable, analysis: Analysis,
-                      in_shardings: tuple[NamedSharding, ...]) -> Callable:
+  def _differentiable(self, fn: Callable, traced: Callable, flat_fun: Callable,
+                      analysis: Analysis, in_shardings: tuple[NamedSharding, ...]) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
     cotangents sharded like the inputs, outputs' like the outputs). The inputs' cotangents come
     back with ``in_shardings`` (the inputs' shardings as ``jax.jit`` spells them)."""
@@ -479,14 +487,9 @@ class Partitioned:
         all_cts[j] = ct
       return list(vjp(all_cts))
 
-    # Traced leaves (under jax.vmap, say) hide their committed shardings, which jax.jit's
-    # in_shardings would refuse where they differ: inside a jit without in_shardings, the
-    # program's in_shardings constrain its operands instead (XLA reshards them on entry).
-    any_sharding = jax.jit(fn)
-
     @jax.custom_vjp
     def call(*leaves: Any) -> Any:
-      return any_sharding(*leaves)
+      return traced(*leaves)
 
     def fwd(*leaves: Any) -> tuple:
       # Under an eager jax.grad the primals are concrete: one committed with another sharding
@@ -853,18 +856,10 @@ def _committed(leaf: Any) -> bool:
   return getattr(leaf, "committed", False)
 
 
-def _restate_forward_mode(e: TypeError) -> TypeError | None:
-  """JAX's refusal to differentiate a custom_vjp in forward mode (the partitioned function's
-  derivative is its partitioned VJP), restated with what works instead; None for any other
-  error."""
+def _refuses_forward_mode(e: TypeError) -> bool:
+  """Whether ``e`` is JAX's refusal to differentiate a custom_vjp in forward mode."""
   frames = traceback.extract_tb(e.__traceback__)
-  if not frames or frames[-1].name != "raise_custom_vjp_error_on_jvp":
-    return None
-  return TypeError("spmd.partition: forward-mode differentiation (jax.jvp, jax.jacfwd, "
-                   "jax.hessian) of a partitioned function is not supported: its derivative is a "
-                   "partitioned VJP (jax.grad, jax.value_and_grad, jax.vjp and "
-                   "jax.jacrev work). Differentiate inside instead: partition the function that "
-                   "calls jax.jvp / jax.jacfwd")
+  return bool(frames) and frames[-1].name == "raise_custom_vjp_error_on_jvp"
 
 
 def _check_leaf(name: str, leaf: Any) -> None:

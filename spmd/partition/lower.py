@@ -8,6 +8,7 @@ read the loop invariants made before them (ir.py).
 from __future__ import annotations
 
 from collections import ChainMap
+from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping, Sequence
 
 import jax
@@ -48,22 +49,36 @@ def lower_spmd(analysis: Analysis, mesh: Mesh, donate_argnums: Sequence[int],
     with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
       return program(*args)
 
-  jitted = jax.jit(local, in_shardings=tuple(NamedSharding(mesh, p) for p in in_specs),
-                   out_shardings=tuple(out_shardings), donate_argnums=tuple(donate_argnums))
-  inputs = analysis.program.inputs
-  if all(s.divides(v.shape, shape) for s, v in zip(sched.inputs, inputs)):
+  in_shardings = tuple(NamedSharding(mesh, p) for p in in_specs)
+  jitted = jax.jit(local, in_shardings=in_shardings, out_shardings=tuple(out_shardings),
+                   donate_argnums=tuple(donate_argnums))
+  uneven = [k for k, (s, v) in enumerate(zip(sched.inputs, analysis.program.inputs))
+            if not s.divides(v.shape, shape)]
+  if not uneven:
     return jitted
-  return _PaddedInputs(jitted, [(s, v.shape) for s, v in zip(sched.inputs, inputs)], shape)
+  padded = [_padded_shape(sched.inputs[k], analysis.program.inputs[k].shape, shape)
+            for k in uneven]
+  pad = jax.jit(lambda *xs: [pad_to(x, n) for x, n in zip(xs, padded)],
+                out_shardings=[in_shardings[k] for k in uneven])
+  return _PaddedInputs(jitted, pad, tuple(uneven))
 
 
+@dataclass(frozen=True)
 class _PaddedInputs:
-  """``jitted`` called on inputs padded at the end of every unevenly sharded dim."""
+  """``jitted`` called on its ``uneven`` inputs padded at the end of every unevenly sharded dim,
+  by ``pad``, a program that places them as ``jitted`` takes them (also when the caller set a
+  mesh, under which an eager pad would come back replicated); the even ones (a TrainState's
+  Python step among them) as given."""
 
-  def __init__(self, jitted: Any, layouts: list, mesh: MeshShape):
-    self.jitted, self.layouts, self.mesh = jitted, layouts, mesh
+  jitted: Any
+  pad: Callable
+  uneven: tuple[int, ...]
 
   def _pad(self, args: Sequence[Any]) -> list:
-    return [_pad_global(a, s, shape, self.mesh) for a, (s, shape) in zip(args, self.layouts)]
+    args = list(args)
+    for k, x in zip(self.uneven, self.pad(*(args[k] for k in self.uneven))):
+      args[k] = x
+    return args
 
   def __call__(self, *args: Any) -> Any:
     return self.jitted(*self._pad(args))
@@ -72,12 +87,9 @@ class _PaddedInputs:
     return self.jitted.lower(*self._pad(args))
 
 
-def _pad_global(x: Any, s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> Any:
-  """``x`` padded where ``s`` splits it unevenly; an even input (a Python scalar among them, as
-  a TrainState's step) as given."""
-  if s.divides(shape, mesh):
-    return x
-  return pad_to(x, [-(-n // s.shards(d, mesh)) * s.shards(d, mesh) for d, n in enumerate(shape)])
+def _padded_shape(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> list[int]:
+  """``shape`` with each dim ``s`` splits unevenly rounded up to a multiple of its shards."""
+  return [-(-n // s.shards(d, mesh)) * s.shards(d, mesh) for d, n in enumerate(shape)]
 
 
 class _Interpreter:
