@@ -339,6 +339,35 @@ def test_lower_after_a_call_with_committed_arguments_compiles_nothing(mesh):
   assert not compiles
 
 
+def test_a_loop_feeding_back_arguments_committed_as_their_specs_compiles_once(mesh):
+  """A step's first call takes fresh arguments, its later ones the state it returned, committed
+  as in_specs say: one plan, one program (the second call compiled it again)."""
+  def step(w, x):
+    return w - 0.1 * jnp.tanh(x @ w).sum(0), jnp.sum(x @ w)
+
+  g = spmd.partition(step, mesh=mesh, in_specs=(P(None, "model"), P("data", None)))
+  w, _ = g(W[:, :16], X)
+  assert w.committed
+  compiles = []
+
+  def count(event: str, *_: object, **__: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    for _ in range(2):
+      w, loss = g(w, X)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert not compiles
+  ref = W[:, :16]
+  for _ in range(3):
+    ref, ref_loss = step(ref, X)
+  np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
+
+
 def test_plan_accepts_abstract_values(mesh):
   g = spmd.partition(f, mesh=mesh, in_specs=(P("data", None), P(None, "model")))
   plan = g.plan(jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 32),
