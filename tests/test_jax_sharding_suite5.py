@@ -289,8 +289,8 @@ def associative_scan_of_a_linear_recurrence_along_a_sharded_dim():
 
   def f(a, b):
     return lax.associative_scan(combine, (a, b), axis=0)[1]
-  a = 0.5 + 0.4 * np.tanh(randn(16, 8, seed=3))
-  check_jit(f, (a, randn(16, 8, seed=4)), (P("a", "b"), P("a", "b")), MESH)
+  a = 0.5 + 0.4 * np.tanh(randn(8, 4, seed=3))
+  check_jit(f, (a, randn(8, 4, seed=4)), (P("a", "b"), P("a", "b")), MESH)
 
 
 @case
