@@ -170,8 +170,8 @@ def shard_map_swapping_pairs_over_b():
 
 @case
 def shard_map_unchecked_out_spec_naming_an_axis_the_body_does_not_vary_over():
-  """check_vma=False, out_specs P("a") for a value equal on every device: each block is the
-  whole sum, stacked twice."""
+  """check_vma=False, out_specs P("a", "b") for a value equal on every device (a psum over both
+  axes): the result stacks its 2 x 4 copies."""
   def body(b):
     return lax.psum(b.sum(0, keepdims=True), ("a", "b"))
   check_jit(lambda x: smap(body, P("a", "b"), P("a", "b"), check_vma=False)(x) * 2, (X,),
@@ -234,13 +234,13 @@ def shard_map_body_switch_on_axis_index():
 
 
 @case
-def vmap_spmd_axis_name_of_a_shard_map_caller():
-  """jax.vmap with spmd_axis_name around a function constraining its per-example value."""
-  def per_example(v, w):
-    h = lax.with_sharding_constraint(v @ w, P("b"))
-    return jnp.tanh(h)
-  f = lambda x, w: jax.vmap(per_example, in_axes=(0, None), spmd_axis_name="a")(x, w)  # noqa
-  check_jit(f, (X, randn(16, 16, seed=1)), (P("a"), P()), MESH)
+def vmap_spmd_axis_name_of_a_shard_map():
+  """jax.vmap with spmd_axis_name around a shard_map: the batch dim is split over "a" and the
+  shard_map's specs gain it."""
+  def per_example(v):  # v: [16], 4 per device over "b"
+    return smap(lambda b: lax.psum(jnp.sin(b), "b") * 2, P("b"), P())(v)
+  f = lambda x: jax.vmap(per_example, spmd_axis_name="a")(x)  # noqa: E731
+  check_jit(f, (X,), P("a", "b"), MESH)
 
 
 # --- control flow with sharded carries ------------------------------------------------------------
