@@ -339,6 +339,8 @@ class _Engine:
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
             conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
+            if axes != best.axes:  # tied: the first loses its axes too
+              conflicts.append(_Dropped(f, axes, other.part, best.axes, best.part))
       chosen.append((not agreed, f, axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
