@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
-                     check_plan, is_spec, named, randn)
+                     check_jit, check_plan, is_spec, named, randn)
 
 MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
           "1x8": {"data": 1, "model": 8}, "2x2x2": {"data": 2, "model": 2, "seq": 2}}
@@ -566,6 +566,15 @@ def through(x, y):
   int64 = jnp.sum(x, dtype=jnp.int64) if jnp.issubdtype(x.dtype, jnp.integer) else x.mean(0)
   return (x.sum(0), real.max(1), real.min(), jnp.dot(x, y), real.astype(jnp.float32).sum(1),
           real.astype(jnp.int16), (real > 0).sum(), int64)
+
+
+@pytest.mark.parametrize("specs", [(P("data", "model"), P("model")), (P("data"), P("model")),
+                                   (P(("data", "model")), P("data"))])
+def test_elementwise_of_arguments_sharded_differently_keeps_their_common_prefix(mesh, specs):
+  """Two arguments of one size disagreeing on a dim (their specs closed): jax.jit's propagation
+  (Shardy) gives the result their common prefix there, P(None, "model") and P() for the first
+  two; spmd gave the first argument's sharding, P("data", "model") and P("data")."""
+  check_jit(lambda x, y: x * y + 1, (randn(8, 16), randn(8, 16, seed=1)), specs, mesh)
 
 
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype")

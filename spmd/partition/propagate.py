@@ -7,7 +7,9 @@ Policy (deterministic), per factor:
   1. Candidates that are prefixes of one another merge into the longest.
   2. Otherwise a closed sharding (in_specs, annotations, out_specs) beats an open one, a larger
      tensor beats a smaller one (moving the smaller one is cheaper), then the earlier tensor
-     (operands before results). Two closed shardings that disagree are reported as a conflict.
+     (operands before results); closed shardings of one size that disagree keep only their
+     common prefix (as Shardy's, and so jax.jit's, propagation). Two closed shardings that
+     disagree are reported as a conflict.
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
@@ -330,12 +332,16 @@ class _Engine:
       agreed = all(longest.axes[:len(x.axes)] == x.axes for x in ranked)
       if agreed:
         best = next(x for x in ranked if x.axes == longest.axes)
+        axes = best.axes
       else:
         best = ranked[0]
+        axes = _tied_axes(ranked)
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
-            conflicts.append(_Dropped(f, best.axes, best.part, other.axes, other.part))
-      chosen.append((not agreed, f, best.axes, best))
+            conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
+            if axes != best.axes:  # tied: the first loses its axes too
+              conflicts.append(_Dropped(f, axes, other.part, best.axes, best.part))
+      chosen.append((not agreed, f, axes, best))
     used: set[str] = set()
     merged: dict[int, tuple[Axes, _Candidate]] = {}
     # Between factors, the larger tensor's factor takes a contested mesh axis first: the op then
@@ -403,6 +409,20 @@ class _Engine:
         continue
       dims[d] = old + added
       writes.append(_Write(part, d, dims[d], None if source is None else source.part))
+
+
+def _tied_axes(ranked: list[_Candidate]) -> Axes:
+  """The axes a factor takes from disagreeing candidates (best first): the first's, or where
+  closed candidates of its tensor size disagree with it, their common prefix (as Shardy's
+  propagation, and so jax.jit, resolves ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b'))."""
+  best = ranked[0]
+  tied = [x.axes for x in ranked if x.closed and best.closed and x.size == best.size]
+  if len(tied) < 2:
+    return best.axes
+  n = 0
+  while all(len(axes) > n and axes[n] == best.axes[n] for axes in tied):
+    n += 1
+  return best.axes[:n]
 
 
 def _result_sizes(rule: OpShardingRule, parts: tuple) -> dict[int, int]:
