@@ -36,3 +36,20 @@ def test_roll_traced_shift_other_dim_sharded_2d_mesh():  # the rolled dim over b
 def test_roll_traced_shift_two_dims_int32_3d_mesh():
   no_more_than_xla(lambda x, s: jnp.roll(x, (s, 2 * s), (0, 1)), (ints(8, 6), np.int32(3)),
                    (P(("a", "b"), "c"), P()), "a2b2c2")
+
+
+# --- A dim losing a major axis: reorder its blocks, then gather the lost axes --------------------
+
+def test_reshard_drop_major_axis():  # permute + all-gather(a), as XLA; was 512 B (gathered whole)
+  plan = no_more_than_xla(lambda y: y * 2, (randn(8, 16),), P(None, ("a", "b")), "a2b4",
+                          P(None, "b"))
+  assert plan.total_bytes == 192, plan.explain()
+
+
+def test_reshard_drop_middle_axis_3d_mesh_bf16():  # ('a', 'b', 'c') -> ('a', 'c')
+  no_more_than_xla(lambda y: y + 1, (randn(16, 4, dtype=BF16),), P(("a", "b", "c")), "a2b2c2",
+                   P(("a", "c")))
+
+
+def test_reshard_drop_major_axis_int32_second_dim_kept():  # ('b', 'a') -> ('a',), dim 0 on c
+  no_more_than_xla(lambda y: y - 3, (ints(4, 8),), P("c", ("b", "a")), "a2b2c2", P("c", "a"))

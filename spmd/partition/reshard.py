@@ -8,7 +8,8 @@ axes that move from one dim to another are an all-to-all (one for a run of minor
 is made the minor axis of its dim first by a collective-permute, as are several axes leaving for
 one dim); axes that trade dims (P('a', 'b') -> P('b', 'a')) may instead be parked in the dim that
 wants them, behind axes that leave it later, where that moves less than gathering them; axes to
-drop are all-gathered; finally the remaining axes are sliced locally.
+drop are all-gathered (a dim keeping axes behind the ones it drops reorders them first by a
+collective-permute, where that moves less); finally the remaining axes are sliced locally.
 
 Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
 per-device input and output buffers of its collective (padding included), ``bytes`` is the
@@ -377,8 +378,13 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
     if not moved and park:
       moved = _park(dims, target, shape, mesh, emit)
   reorder()
-  # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
+  # 5. All-gather the axes a dim must lose (minor first, one collective per dim); kept axes
+  # behind lost ones are first made major by a collective-permute where that moves less.
   for d, want in enumerate(target):
+    order = _kept_first(dims[d], want, shape[d], mesh)
+    if order is not None:
+      emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], order, mesh),
+           lambda d=d, order=order: dims[d].__setitem__(slice(None), order), dim=d)
     keep = 0
     while keep < len(dims[d]) and keep < len(want) and dims[d][keep] == want[keep]:
       keep += 1
@@ -418,6 +424,24 @@ def _park(dims: list[list[str]], target: Sequence[Sequence[str]], shape: Sequenc
               dims[i].__delitem__(slice(-len(run), None)), dims[j].extend(run)), dim=i, dst_dim=j)
           return True
   return False
+
+
+def _kept_first(have: Sequence[str], want: Sequence[str], n: int,
+                mesh: MeshShape) -> list[str] | None:
+  """An order of an even dim's axes ``have`` that puts first, in ``want``'s order, the axes it
+  keeps (the longest prefix of ``want`` it holds), where that reorder (one block per device) and
+  then gathering the rest moves less than gathering them all (XLA's ('a', 'b') -> ('b',): a
+  collective-permute and an all-gather over 'a'); None where no such order helps."""
+  kept: list[str] = []
+  for a in want:
+    if a not in have:
+      break
+    kept.append(a)
+  order = kept + [a for a in have if a not in kept]
+  total, keep = (math.prod(mesh[a] for a in axes) for axes in (have, kept))
+  if not kept or order == list(have) or n % total or 1 / total + 1 / keep >= 1:
+    return None
+  return order
 
 
 def _scatter_run(first: str, partial: Sequence[str], have: Sequence[str],
