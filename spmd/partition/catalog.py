@@ -20,7 +20,7 @@ from spmd.partition.annotation import (annotate_p, annotate_request, constraint_
 from spmd.partition.jax_compat import open_jaxpr, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
                                       Linearity, Manual, PrimitiveInfo)
-from spmd.partition.roll import roll_p
+from spmd.partition.roll import roll_dynamic_p, roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
 
@@ -253,7 +253,8 @@ def build_registry() -> Mapping[Primitive, PrimitiveInfo]:
   table: dict[Primitive, PrimitiveInfo] = {
       annotate_p: PrimitiveInfo(elementwise.elementwise, ADDITIVE_IN_FIRST, local.operands,
                                 annotation=annotate_request),
-      roll_p: PrimitiveInfo(indexing.roll, ADDITIVE_IN_FIRST, local.roll)}
+      roll_p: PrimitiveInfo(indexing.roll, ADDITIVE_IN_FIRST, local.roll),
+      roll_dynamic_p: PrimitiveInfo(indexing.roll_dynamic, ADDITIVE_IN_FIRST)}
   for names, info in _entries():
     for primitive in primitives_named(*names):
       if primitive in table:

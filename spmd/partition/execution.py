@@ -157,7 +157,8 @@ class ExecutionPlanner:
     options = [_execute(c, axes, self.mesh) for axes in choices]
     if len(options) == 1:
       return [_Option(options[0], 0, ())]
-    return [_Option(ex, ex.gather_bytes(self.mesh, self.wire), tuple(
+    return [_Option(ex, ex.gather_bytes(self.mesh, self.wire) + sum(
+        n for *_, n in ex.halo_exchanges(self.mesh, self.wire)), tuple(
         0 if made is None or made == shardings[v] else
         sum(s.bytes for s in self.reshard(v, made, shardings[v]))
         for v, made in zip(c.results, ex.produces)))
@@ -167,7 +168,8 @@ class ExecutionPlanner:
 @dataclass(frozen=True)
 class _Option:
   """A candidate execution and what it moves besides its operands' reshards: its own gather of
-  partial results, and each result's reshard to its propagated sharding."""
+  partial results and its halo exchanges (``gathered``), and each result's reshard to its
+  propagated sharding."""
 
   execution: Execution
   gathered: int

@@ -6,9 +6,12 @@ the target shards that axis, else all-reduce); dims whose axes only change order
 axes free everywhere are sliced locally (no communication) so later collectives move less;
 axes that move from one dim to another are an all-to-all (one for a run of minor axes; an axis
 is made the minor axis of its dim first by a collective-permute, as are several axes leaving for
-one dim); axes that trade dims (P('a', 'b') -> P('b', 'a')) may instead be parked in the dim that
+one dim); an axis traded for another of its size in one place of a dim is one
+collective-permute (each device takes the block of the device with the two coordinates swapped);
+axes that trade dims (P('a', 'b') -> P('b', 'a')) may instead be parked in the dim that
 wants them, behind axes that leave it later, where that moves less than gathering them; axes to
-drop are all-gathered; finally the remaining axes are sliced locally.
+drop are all-gathered (a dim keeping axes behind the ones it drops reorders them first by a
+collective-permute, where that moves less); finally the remaining axes are sliced locally.
 
 Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
 per-device input and output buffers of its collective (padding included), ``bytes`` is the
@@ -195,6 +198,20 @@ def _reorder_pairs(before: Sequence[str], after: Sequence[str],
 
 
 @dataclass(frozen=True, kw_only=True)
+class SwapAxes(ReshardStep):
+  """``dim`` trades mesh axis ``axes[0]`` for ``axes[1]``, of one size, in one place of its axes
+  (the tensor replicated along ``axes[1]`` before and along ``axes[0]`` after): each device takes
+  the block of the device whose coordinates along the two axes are swapped."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    n = mesh[self.axes[0]]
+    return permute(x, self.axes, [(i * n + j, j * n + i) for i in range(n) for j in range(n)],
+                   mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DynamicSlice(_Split):
   """Keeps this device's block of ``dim`` split further over ``axes``: local, no communication."""
 
@@ -304,6 +321,13 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
 
   reorder()
 
+  # 2b. One axis traded for another of its size in one place of a dim: a collective-permute.
+  for d, want in enumerate(target):
+    swap = _swapped(dims[d], want, dims, target, mesh)
+    if swap is not None:
+      emit(SwapAxes, swap, lambda d=d, want=want: dims[d].__setitem__(slice(None), list(want)),
+           dim=d)
+
   # Uneven dims whose blocks do not nest between source and target are gathered whole first.
   for d, want in enumerate(target):
     have = dims[d]
@@ -377,8 +401,13 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
     if not moved and park:
       moved = _park(dims, target, shape, mesh, emit)
   reorder()
-  # 5. All-gather the axes a dim must lose (minor first, one collective per dim).
+  # 5. All-gather the axes a dim must lose (minor first, one collective per dim); kept axes
+  # behind lost ones are first made major by a collective-permute where that moves less.
   for d, want in enumerate(target):
+    order = _kept_first(dims[d], want, shape[d], mesh)
+    if order is not None:
+      emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], order, mesh),
+           lambda d=d, order=order: dims[d].__setitem__(slice(None), order), dim=d)
     keep = 0
     while keep < len(dims[d]) and keep < len(want) and dims[d][keep] == want[keep]:
       keep += 1
@@ -418,6 +447,39 @@ def _park(dims: list[list[str]], target: Sequence[Sequence[str]], shape: Sequenc
               dims[i].__delitem__(slice(-len(run), None)), dims[j].extend(run)), dim=i, dst_dim=j)
           return True
   return False
+
+
+def _swapped(have: Sequence[str], want: Sequence[str], dims: Sequence[Sequence[str]],
+             target: Sequence[Sequence[str]], mesh: MeshShape) -> tuple[str, str] | None:
+  """(x, y) where a dim's axes ``have`` become ``want`` by trading x for y of the same size in
+  one place, y held by no dim now and x by no dim after (XLA's device permutation); else
+  None."""
+  places = [i for i, (a, b) in enumerate(zip(have, want)) if a != b]
+  if len(have) != len(want) or len(places) != 1:
+    return None
+  x, y = have[places[0]], want[places[0]]
+  if (mesh[x] != mesh[y] or any(y in axes for axes in dims)
+      or any(x in axes for axes in target)):
+    return None
+  return x, y
+
+
+def _kept_first(have: Sequence[str], want: Sequence[str], n: int,
+                mesh: MeshShape) -> list[str] | None:
+  """An order of an even dim's axes ``have`` that puts first, in ``want``'s order, the axes it
+  keeps (the longest prefix of ``want`` it holds), where that reorder (one block per device) and
+  then gathering the rest moves less than gathering them all (XLA's ('a', 'b') -> ('b',): a
+  collective-permute and an all-gather over 'a'); None where no such order helps."""
+  kept: list[str] = []
+  for a in want:
+    if a not in have:
+      break
+    kept.append(a)
+  order = kept + [a for a in have if a not in kept]
+  total, keep = (math.prod(mesh[a] for a in axes) for axes in (have, kept))
+  if not kept or order == list(have) or n % total or 1 / total + 1 / keep >= 1:
+    return None
+  return order
 
 
 def _scatter_run(first: str, partial: Sequence[str], have: Sequence[str],

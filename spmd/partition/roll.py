@@ -3,7 +3,10 @@
 place and added (``pad(ct[k:], (0, k)) + pad(ct[:k], (n-k, 0))``, cut by ``split`` or
 ``slice``): pieces whose rows lie far from the rows they end up beside. As one op, ``roll``, the
 dim is a rotation: each shard takes its rows from the one or two shards they rotate from
-(halo_geometry.Rotation), as XLA does."""
+(halo_geometry.Rotation), as XLA does. A roll by a traced shift, which JAX traces as a
+``dynamic_slice`` of ``concatenate([x, x])``, is one ``roll_dynamic`` op: its dim is gathered
+once (XLA gathers ``x`` before the concatenate) rather than the doubled dim built by halos and
+then gathered."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +33,19 @@ roll_p.def_abstract_eval(lambda x, *, shift, axis: x)
 mlir.register_lowering(roll_p, mlir.lower_fun(_roll, multiple_results=False))
 
 
+def _roll_dynamic(x: Any, start: Any, *, axis: int) -> Any:
+  """Rows [start, start + n) of ``concatenate([x, x])`` along ``axis`` (start clamped into
+  [0, n], as dynamic_slice clamps it)."""
+  doubled = lax.concatenate([x, x], axis)
+  return lax.dynamic_slice_in_dim(doubled, start, x.shape[axis], axis)
+
+
+roll_dynamic_p = jcore.Primitive("roll_dynamic")
+roll_dynamic_p.def_impl(_roll_dynamic)
+roll_dynamic_p.def_abstract_eval(lambda x, start, *, axis: x)
+mlir.register_lowering(roll_dynamic_p, mlir.lower_fun(_roll_dynamic, multiple_results=False))
+
+
 @dataclass(frozen=True)
 class _Piece:
   """Rows [start, start + rows) along one dim of ``source`` (jaxpr variable ``var``), whole
@@ -44,12 +60,16 @@ class _Piece:
 
 def fuse_rolls(ops: list[Op]) -> None:
   """Replaces every roll (a concatenation of two pieces of one value, or the sum of two such
-  pieces padded into place) by a ``roll`` of that value, here and in regions (the pieces stay
-  for their other readers, if any)."""
+  pieces padded into place) by a ``roll`` of that value, and every roll by a traced shift by a
+  ``roll_dynamic``, here and in regions (the pieces stay for their other readers, if any)."""
   producer = {v: op for op in ops for v in op.outputs}
   for k, op in enumerate(ops):
     for region in op.regions:
       fuse_rolls(region.ops)
+    dynamic = _dynamic_rotation(op, producer)
+    if dynamic is not None:
+      ops[k] = dynamic
+      continue
     found = _rotation(op, producer)
     if found is None:
       continue
@@ -57,6 +77,27 @@ def fuse_rolls(ops: list[Op]) -> None:
     params = {"shift": shift, "axis": axis}
     eqn = op.eqn.replace(primitive=roll_p, params=params, invars=[var])
     ops[k] = dataclasses.replace(op, primitive=roll_p.name, params=params, inputs=(x,), eqn=eqn)
+
+
+def _dynamic_rotation(op: Op, producer: dict[Value, Op]) -> Op | None:
+  """``op`` as a ``roll_dynamic`` if it is a ``dynamic_slice`` taking one whole value's worth
+  of ``concatenate([x, x])`` at a traced start along the concatenated dim, else None."""
+  from spmd.partition.ir import Literal  # ir imports this module
+  if op.eqn.primitive is not lax.dynamic_slice_p or op.inputs[0] not in producer:
+    return None
+  joined = producer[op.inputs[0]]
+  if joined.eqn.primitive is not lax.concatenate_p or len(joined.inputs) != 2:
+    return None
+  x, axis = joined.inputs[0], joined.params["dimension"]
+  start = op.inputs[1 + axis]
+  if (joined.inputs[1] is not x or tuple(op.params["slice_sizes"]) != x.shape
+      or isinstance(start, Literal)):
+    return None
+  params = {"axis": axis}
+  eqn = op.eqn.replace(primitive=roll_dynamic_p, params=params,
+                       invars=[joined.eqn.invars[0], op.eqn.invars[1 + axis]])
+  return dataclasses.replace(op, primitive=roll_dynamic_p.name, params=params,
+                             inputs=(x, start), eqn=eqn)
 
 
 def _rotation(op: Op, producer: dict[Value, Op]) -> tuple[tuple[Value, Any], int, int] | None:

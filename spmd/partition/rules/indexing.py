@@ -80,6 +80,15 @@ def roll(op: Op) -> OpShardingRule:
   return b.build([dims], [dims])
 
 
+def roll_dynamic(op: Op) -> OpShardingRule:
+  """A roll by a traced shift: its rows may come from any shard, so the dim is whole (gathered
+  once, as XLA gathers the operand before its concatenate); the others pass."""
+  x, out = op.inputs[0].aval.shape, op.outputs[0].shape
+  b = RuleBuilder()
+  (operand,), result = _moved_dims(b, [x], out, {op.params["axis"]})
+  return b.build([operand, _scalar(op.inputs[1])], [result])
+
+
 def concatenate(op: Op) -> OpShardingRule:
   """Operand k reads the concatenated dim through a window of one row shifted by its offset: a
   halo factor over the result that every operand longer than one row shares."""
