@@ -3,8 +3,8 @@ written as their users write them, run through spmd.partition on the ("data", "m
 imagenet's float16 step under ``DynamicScale`` (a skipped non-finite step, the scale backing off
 and growing), pixelcnn++'s shifted convolutions with a discretized logistic mixture loss and
 Polyak averaging (the image rows split), NNX's VAE (a loss Variable written in the forward pass,
-noise from the model's own Rngs) and the functional API (``nnx.split`` by filters into a
-``TrainState`` holding only ``nnx.LoRA``'s params, ``nnx.merge`` in the step).
+noise from the model's own Rngs) and NNX's recurrent layers (``nnx.Bidirectional`` of
+``nnx.RNN``s over an LSTM and a GRU cell, each sequence within its length).
 Each is checked against the unpartitioned step, step by step (helpers.train_loop / nnx_steps /
 check_plan)."""
 import functools
@@ -293,3 +293,44 @@ def test_nnx_vae_loss_variable_and_model_rngs(mesh, batch):
   _, (model, _) = nnx_steps(vae_train_step, fresh, mesh_of(mesh), (None, None, P("data")),
                             batches)
   assert int(model.encoder.rngs.noise.count[...]) == 3  # a key drawn per step
+
+
+# --- NNX recurrent layers (the sst2 example as NNX writes it): nnx.Bidirectional of nnx.RNNs ----
+
+class NnxSentiment(nnx.Module):
+  """Embeddings read by an ``nnx.RNN`` of an LSTM forwards and one of a GRU backwards
+  (``nnx.Bidirectional``), each sequence within its length; mean pooled, then a linear head."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(30, 8, rngs=rngs)
+    self.rnn = nnx.Bidirectional(nnx.RNN(nnx.OptimizedLSTMCell(8, 8, rngs=rngs)),
+                                 nnx.RNN(nnx.GRUCell(8, 8, rngs=rngs)))
+    self.head = nnx.Linear(16, 2, rngs=rngs)
+
+  def __call__(self, tokens, lengths):
+    return self.head(self.rnn(self.embed(tokens), seq_lengths=lengths).mean(1))
+
+
+def sentiment_step(model, optimizer, tokens, lengths, labels):
+  def loss_fn(model):
+    logits = model(tokens, lengths)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_nnx_bidirectional_rnn_with_seq_lengths():
+  """nnx.RNN scans its cell (an nnx.scan over the cell's graph state); the backward one
+  reverses each sequence within its length (a gather per example)."""
+  def fresh():
+    model = NnxSentiment(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  rng = np.random.default_rng(3)
+  lengths = jnp.asarray([6, 3, 5, 1, 2, 6, 4, 5], jnp.int32)
+  batches = [(jnp.asarray(rng.integers(0, 30, (8, 6)), jnp.int32), jnp.roll(lengths, s),
+              jnp.arange(8) % 2) for s in range(2)]
+  nnx_steps(sentiment_step, fresh, mesh_of("2x4"), (None, None, P("data"), P("data"),
+                                                    P("data")), batches)
