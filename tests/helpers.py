@@ -37,6 +37,15 @@ TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 1e-3,
              jnp.dtype(jnp.float64): 1e-12, jnp.dtype(jnp.complex128): 1e-12}
 
 
+class Cases(list):
+  """A test file's cases: functions of no arguments that run their checks, registered by
+  decorating them with ``register`` (or pytest.params of one, appended)."""
+
+  def register(self, fn: Callable[[], None]) -> Callable[[], None]:
+    self.append(fn)
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def get_mesh(name: str) -> Mesh:
   """The test mesh called ``name`` (see ``MESH_AXES``), built once per session."""

@@ -21,17 +21,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
-from helpers import get_mesh, randn
+from helpers import Cases, get_mesh, randn
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 NWC = ("NWC", "WIO", "NWC")
-CASES: list[Callable[[], None]] = []
+CASES = Cases()
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 @case

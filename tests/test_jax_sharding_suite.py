@@ -16,16 +16,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
+from helpers import (Cases, assert_like_jit, assert_partitioned_matches, assert_trees_match,
                      check_committed, check_jit, get_mesh, named, randn)
 
-CASES: list[Callable[[], None]] = []
+CASES = Cases()
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 def explicit_mesh() -> jax.sharding.Mesh:

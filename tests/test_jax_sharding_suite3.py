@@ -19,18 +19,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_trees_match, check_jit, check_plan, get_mesh, named,
+from helpers import (Cases, assert_like_jit, assert_trees_match, check_jit, check_plan, get_mesh, named,
                      randn)
 
-CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 def both(fn: Callable, in_specs: Any, out_specs: Any = None) -> tuple[Callable, Callable]:

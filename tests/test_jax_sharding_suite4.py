@@ -10,7 +10,7 @@ repeated."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +22,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_trees_match, check_committed, check_jit, check_plan,
+from helpers import (Cases, assert_like_jit, assert_trees_match, check_committed, check_jit, check_plan,
                      get_mesh, named, randn)
 
-CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments, or pytest.params of one
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 def spd(batch: int, n: int, seed: int = 0) -> np.ndarray:

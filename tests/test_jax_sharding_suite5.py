@@ -22,18 +22,14 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, check_committed, check_jit, get_mesh, ints,
+from helpers import (Cases, assert_partitioned_matches, check_committed, check_jit, get_mesh, ints,
                      randn)
 
-CASES: list[Any] = []  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 # --- explicit sharding mode -------------------------------------------------------------------

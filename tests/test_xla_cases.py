@@ -19,19 +19,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
-from helpers import get_mesh, indices, ints, no_more_than_xla, randn, xla_bytes
+from helpers import Cases, get_mesh, indices, ints, no_more_than_xla, randn, xla_bytes
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 # XLA's weight-gradient form f01b_i01o->01bf: lhs (C, H, W, N), rhs (I, H, W, O), out (H, W, N, C)
 WGRAD = ("CHWN", "IHWO", "HWNC")
 BF16 = jnp.bfloat16
-CASES: list[Callable[[], None]] = []
+CASES = Cases()
 
-
-def case(fn: Callable[[], None]) -> Callable[[], None]:
-  """Registers a case: a function of no arguments that runs its checks."""
-  CASES.append(fn)
-  return fn
+case = CASES.register
 
 
 def argmax_reduce(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
