@@ -351,14 +351,7 @@ class _Scheduler:
       return None
     result_bytes = sum(_local_bytes(v, w, self.mesh) for v, w in zip(op.outputs, ex.produces))
     operand_bytes = sum(_local_bytes(op.inputs[k], ex.needs[k], self.mesh) for k in positions)
-    # Through an op that moves the sum's bytes unchanged (a transpose, a reshape), only where
-    # its result carries the sum on to a reader that can take it: else the reader reduces it
-    # right after, and reducing it before the op leaves the op local to the reduced value (a
-    # weight gradient's dot then feeds its all-reduce directly, as in XLA's program).
-    if result_bytes < operand_bytes or (result_bytes == operand_bytes and all(
-        self.partial_ok.get(self.names.get(v, v), False) for v in op.outputs)):
-      return positions, axes
-    return None
+    return (positions, axes) if result_bytes <= operand_bytes else None
 
   def control(self, op: Op, constraints: list[Constraint]) -> ScheduledOp:
     """Outer operands enter in the form their link needs; region outputs leave in the form their
