@@ -256,7 +256,7 @@ class Partitioned:
         except TypeError as e:
           if not _refuses_forward_mode(e):
             raise
-        # Forward mode (jax.jvp, jacfwd, linearize), which JAX refuses through a custom_vjp:
+        # Forward mode (jax.jvp, jacfwd, hessian), which JAX refuses through a custom_vjp:
         # JAX's own rules differentiate the partitioned program, its tangents running through
         # the same collectives.
         return compiled.outputs(compiled.traced(*leaves))
