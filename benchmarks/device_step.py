@@ -16,23 +16,18 @@ difference of the two loops' final params (both ran the same number of steps fro
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import statistics
 import time
 from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+import lm_step
 import spmd
 from spmd.models import transformer
-from spmd.train import create_train_state, make_train_step
 
 RULES = transformer.RULES["dp"]
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?\S+ = \S+ (\w[\w-]*)\(")
@@ -58,28 +53,20 @@ def loop(step: Callable, state: Any, tokens: jax.Array, steps: int) -> tuple[flo
 def measure(config: transformer.Config, batch: int, seq: int, devices: int, rounds: int,
             steps: int) -> tuple[Any, ...]:
   mesh = spmd.make_mesh({"data": devices, "model": 1}, devices=jax.devices()[:devices])
-  model = transformer.Transformer(config)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1)),
-                       jnp.int32)
-  state, specs = create_train_state(lambda key: model.init(key, tokens[:, :-1])["params"],
-                                    optax.adamw(1e-4), mesh, jax.random.key(0), rules=RULES)
-  step = make_train_step(functools.partial(transformer.next_token_loss, model))
-  ours = spmd.partition(step, mesh=mesh, rules=RULES,
-                        in_specs=(specs, P("act_batch", None)), out_specs=(specs, P()))
-  plan = ours.plan(state, tokens)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (plan.in_specs, plan.out_specs),
-                           is_leaf=lambda x: isinstance(x, P))
-  jitted = jax.jit(step, in_shardings=shardings[0], out_shardings=shardings[1])
+  lm = lm_step.build(transformer.Transformer(config), transformer.next_token_loss, mesh, RULES,
+                     "act_batch", config.vocab, batch, seq, optax.adamw(1e-4))
+  state, tokens = lm.state, lm.tokens
 
   def xla(*args: Any) -> Any:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-      return jitted(*args)
+    with lm.xla_context():
+      return lm.jitted(*args)
 
-  tokens = jax.device_put(tokens, shardings[0][1])
-  counts = [entry_counts(ours.lower(state, tokens).compile().as_text()),
-            entry_counts(jitted.lower(state, tokens).compile().as_text())]
+  with lm.xla_context():
+    jit_lowered = lm.jitted.lower(state, tokens)
+  counts = [entry_counts(lm.ours.lower(state, tokens).compile().as_text()),
+            entry_counts(jit_lowered.compile().as_text())]
   states = {"ours": state, "jit": state}
-  contenders = {"ours": ours, "jit": xla}
+  contenders = {"ours": lm.ours, "jit": xla}
   times: dict[str, list[float]] = {name: [] for name in contenders}
   for name, fn in contenders.items():
     _, states[name] = loop(fn, states[name], tokens, 3)

@@ -20,18 +20,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import run  # sets up the 8 simulated devices before JAX starts; shared table / HLO helpers
+import lm_step  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import spmd  # noqa: E402
 from spmd.models import moe, transformer  # noqa: E402
-from spmd.train import create_train_state, make_train_step  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
 SIZES = {"full": (transformer.Config(vocab=256, d_model=256, heads=8, head_dim=32, mlp=1024,
@@ -74,35 +73,15 @@ def state_bytes_per_device(state: Any, specs: Any, mesh: Mesh) -> int:
   return int(sum(jax.tree.leaves(sizes)))
 
 
-def _xla_program(step: Any, mesh: Mesh, rules: Any, in_specs: Any, out_specs: Any) -> Any:
-  """``jax.jit`` of ``step`` with our resolved boundary specs; the model's logical constraints
-  resolve through the same rules (flax's context), so XLA sees every annotation we see."""
-  jitted = jax.jit(step, in_shardings=run.named_shardings(mesh, in_specs),
-                   out_shardings=run.named_shardings(mesh, out_specs))
-
-  def lower(*args: Any) -> Any:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      return jitted.lower(*args)
-
-  return lower
-
-
 def measure(family: Family, name: str, config: Any, batch: int, seq: int, runs: int) -> tuple:
   mesh = spmd.make_mesh(MESH)
-  rules = family.rules[name]
-  model = family.model(config)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (batch, seq + 1)),
-                       jnp.int32)
-  state, specs = create_train_state(lambda key: model.init(key, tokens[:, :-1])["params"],
-                                    optax.adamw(1e-3), mesh, jax.random.key(0), rules=rules)
-  step = make_train_step(functools.partial(family.loss, model))
-  ours = spmd.partition(step, mesh=mesh, rules=rules, in_specs=(specs, P(family.batch_axis, None)),
-                        out_specs=(specs, P()))
-  plan = ours.plan(state, tokens)
+  lm = lm_step.build(family.model(config), family.loss, mesh, family.rules[name],
+                     family.batch_axis, config.vocab, batch, seq, optax.adamw(1e-3))
+  state, tokens, plan = lm.state, lm.tokens, lm.plan
   resolved = plan.in_specs[0]
-  xla_lower = _xla_program(step, mesh, rules, plan.in_specs, plan.out_specs)
-  tokens = jax.device_put(tokens, NamedSharding(mesh, plan.in_specs[1]))
-  ours_exe, xla_exe = ours.lower(state, tokens).compile(), xla_lower(state, tokens).compile()
+  with lm.xla_context():
+    xla_lower = lm.jitted.lower(state, tokens)
+  ours_exe, xla_exe = lm.ours.lower(state, tokens).compile(), xla_lower.compile()
   mine = run.comm_list(ours_exe.as_text(), mesh)
   theirs = run.comm_list(xla_exe.as_text(), mesh)
   a, b = sum(n for _, n, _ in mine), sum(n for _, n, _ in theirs)
