@@ -200,6 +200,9 @@ class _Builder:
   made_by: dict[str, str] = field(default_factory=dict)  # value -> the OPS entry that made it
   summands: dict[str, frozenset[str]] = field(default_factory=dict)  # int sum -> roots it adds
   sigs: set[tuple] = field(default_factory=set)  # what each value computes, up to views
+  # value -> for each of its dims the root's dim it is (None: a dim of 1 the view inserted), for
+  # views that only permute the root's dims and add or drop dims of 1; absent: unknown
+  dims_in_root: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
   lines: list[str] = field(default_factory=list)
   last: str = ""
 
@@ -214,14 +217,17 @@ class _Builder:
     return name
 
   def emit(self, expr: str, shape: tuple[int, ...], dtype: str, view_of: str = "",
-           sig: tuple | None = None) -> str | None:
+           sig: tuple | None = None, any_shape: bool = False,
+           dims_in_root: tuple[int | None, ...] | None = None) -> str | None:
     """Appends ``name = expr``; ``view_of``: a value it holds the elements of (reshape, broadcast,
-    transpose, annotate). ``sig`` says what it computes in terms of roots (values up to views):
-    a second line with the same ``sig`` is refused (None). XLA would find the two lines equal
-    (CSE, after folding views) and merge the collectives that feed them, so the HLO would move
-    less than the plan says: a duplicate in the program, not a fault of the partitioner."""
+    transpose, annotate), ``dims_in_root`` its dims as its root's where known. ``sig`` says what
+    it computes in terms of roots (values up to views): a second line with the same ``sig`` (and
+    shape, unless ``any_shape``: results that are views of one another) is refused (None). XLA
+    would find the two lines equal (CSE, after folding views) and merge the collectives that
+    feed them, so the HLO would move less than the plan says: a duplicate in the program, not a
+    fault of the partitioner."""
     if sig is not None:
-      key = sig if sig[0] == "reduce-all" else (sig, shape)  # keepdims or not: one value
+      key = sig if any_shape else (sig, shape)
       if key in self.sigs:
         return None
       self.sigs.add(key)
@@ -229,6 +235,8 @@ class _Builder:
     self.lines.append(f"{name} = {expr}")
     self.values[name] = (shape, dtype)
     self.data[name] = self.root(view_of) if view_of else name
+    if view_of and dims_in_root is not None:
+      self.dims_in_root[name] = dims_in_root
     self.last = name
     return name
 
@@ -240,6 +248,12 @@ class _Builder:
 
   def root(self, name: str) -> str:
     return self.data.get(name, name)
+
+  def root_dims(self, name: str) -> tuple[int | None, ...] | None:
+    """``name``'s dims as its root's (``dims_in_root``); None where that is unknown."""
+    if self.root(name) == name:
+      return tuple(range(len(self.shape(name))))
+    return self.dims_in_root.get(name)
 
   def terms(self, name: str) -> frozenset[str]:
     """The roots an integer value adds up, through sums of sums: ``{a, b}`` for ``(a + 1) - b``."""
@@ -349,7 +363,9 @@ def op_broadcast(b: _Builder) -> str | None:
     out = sx[:axis] + (1,) + sx[axis:]
     if not _fits(out):
       return None
-    return b.emit(f"jnp.expand_dims({x}, {axis})", out, b.dtype_of(x), x, sig=("view", b.root(x)))
+    rd = b.root_dims(x)
+    return b.emit(f"jnp.expand_dims({x}, {axis})", out, b.dtype_of(x), x, sig=("view", b.root(x)),
+                  dims_in_root=None if rd is None else rd[:axis] + (None,) + rd[axis:])
   lead = tuple(draw(st.lists(st.sampled_from(DIMS), max_size=2)))
   out = lead + tuple(draw(st.sampled_from(DIMS)) if n == 1 else n for n in sx)
   if not _fits(out):
@@ -384,7 +400,17 @@ def op_reshape(b: _Builder) -> str | None:
     out = _powers_of_two_splitting(_size(sx), draw(st.integers(1, MAX_RANK)), draw)
   if not _fits(out) or out == sx:
     return None
-  return b.emit(f"{x}.reshape({out})", out, b.dtype_of(x), x, sig=("view", b.root(x)))
+  return b.emit(f"{x}.reshape({out})", out, b.dtype_of(x), x, sig=("view", b.root(x)),
+                dims_in_root=_reshaped_dims(b.root_dims(x), sx, out))
+
+
+def _reshaped_dims(rd: tuple[int | None, ...] | None, before: tuple[int, ...],
+                   after: tuple[int, ...]) -> tuple[int | None, ...] | None:
+  """The root dims of a reshape's result, where it only adds or drops dims of 1."""
+  if rd is None or [n for n in before if n > 1] != [n for n in after if n > 1]:
+    return None
+  kept = iter(r for r, n in zip(rd, before) if n > 1)
+  return tuple(next(kept) if n > 1 else None for n in after)
 
 
 def op_transpose(b: _Builder) -> str | None:
@@ -395,8 +421,10 @@ def op_transpose(b: _Builder) -> str | None:
   perm = tuple(b.draw(st.permutations(range(len(sx)))))
   if perm == tuple(range(len(sx))):
     return None
+  rd = b.root_dims(x)
   return b.emit(f"jnp.transpose({x}, {perm})", tuple(sx[p] for p in perm), b.dtype_of(x), x,
-                sig=("view", b.root(x)))
+                sig=("view", b.root(x)),
+                dims_in_root=None if rd is None else tuple(rd[p] for p in perm))
 
 
 def op_dot(b: _Builder) -> str | None:
@@ -466,9 +494,14 @@ def op_reduce(b: _Builder) -> str | None:
   axis = axes[0] if len(axes) == 1 else axes
   expr = f"jnp.{fn}({x}, axis={axis}{', keepdims=True' if keepdims else ''})"
   if all(sx[d] == 1 for d in axes):  # over size-1 dims only: XLA folds it to a reshape
-    return b.emit(expr, out, dtype, x, sig=("view", b.root(x)))
+    return b.emit(expr, out, dtype, x, sig=("view", b.root(x)),
+                  dims_in_root=_reshaped_dims(b.root_dims(x), sx, out))
   if _size(out) == 1:  # every element of x, so of any view of x: the same value
-    return b.emit(expr, out, dtype, sig=("reduce-all", fn, b.root(x)))
+    return b.emit(expr, out, dtype, sig=("reduce-all", fn, b.root(x)), any_shape=True)
+  rd = b.root_dims(x)
+  if rd is not None:  # over the same root dims of any view that only permutes them: one value
+    over = frozenset(rd[d] for d in axes if rd[d] is not None)
+    return b.emit(expr, out, dtype, sig=(fn, b.root(x), over), any_shape=True)
   return b.emit(expr, out, dtype, sig=(fn, x, axes))
 
 
@@ -487,9 +520,11 @@ def op_along(b: _Builder) -> str | None:
     return None
   fn, axis = draw(st.sampled_from(sorted(ALONG))), draw(st.sampled_from(dims))
   expr = ALONG[fn].format(x, axis)
-  if fn.startswith("arg"):
-    return b.emit(expr, sx[:axis] + sx[axis + 1:], "int32", sig=(fn, b.root(x), axis))
-  return b.emit(expr, sx, b.dtype_of(x), sig=(fn, b.root(x), axis))
+  out, dtype = (sx[:axis] + sx[axis + 1:], "int32") if fn.startswith("arg") else (sx, b.dtype_of(x))
+  rd = b.root_dims(x)
+  if rd is not None:  # along the same root dim of any view that only permutes dims: one value
+    return b.emit(expr, out, dtype, sig=(fn, b.root(x), "root dim", rd[axis]), any_shape=True)
+  return b.emit(expr, out, dtype, sig=(fn, b.root(x), axis))
 
 
 def op_slice(b: _Builder) -> str | None:
@@ -552,7 +587,8 @@ def op_concatenate(b: _Builder) -> str | None:
 def op_annotate(b: _Builder) -> str | None:
   x = b.pick()
   spec = draw_spec(b.draw, b.shape(x), b.mesh, unconstrained=True)
-  return b.emit(f"spmd.annotate({x}, {spec_src(spec)})", b.shape(x), b.dtype_of(x), x)
+  return b.emit(f"spmd.annotate({x}, {spec_src(spec)})", b.shape(x), b.dtype_of(x), x,
+                dims_in_root=b.root_dims(x))
 
 
 OPS: dict[str, Callable[[_Builder], str | None]] = {
