@@ -70,6 +70,8 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
 
   ``static_argnames`` / ``donate_argnames`` name parameters as ``jax.jit``'s do: they add to
   ``static_argnums`` / ``donate_argnums`` (arguments passed by keyword are bound to positions).
+  Keyword-only arguments (and ``**kwargs``) are traced, as under ``jax.jit``, with open specs
+  (propagation or a committed sharding chooses), unless ``static_argnames`` names them.
   """
   if fun is None:
     return functools.partial(partition, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -77,12 +79,13 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
                              donate_argnums=donate_argnums, backend=backend, auto=auto,
                              memory_limit=memory_limit, static_argnames=static_argnames,
                              donate_argnames=donate_argnames)
-  static = _ints(static_argnums, "static_argnums") + _argnums(fun, static_argnames,
-                                                              "static_argnames")
-  donated = _ints(donate_argnums, "donate_argnums") + _argnums(fun, donate_argnames,
-                                                               "donate_argnames")
+  static_nums, static_names = _argnums(fun, static_argnames, "static_argnames")
+  donate_nums, donate_names = _argnums(fun, donate_argnames, "donate_argnames")
+  static = _ints(static_argnums, "static_argnums") + static_nums
+  donated = _ints(donate_argnums, "donate_argnums") + donate_nums
   return Partitioned(fun, mesh, in_specs, out_specs, tuple(dict.fromkeys(static)),
-                     tuple(dict.fromkeys(donated)), backend, rules, auto, memory_limit)
+                     tuple(dict.fromkeys(donated)), backend, rules, auto, memory_limit,
+                     static_names, donate_names)
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ class Partitioned:
   def __init__(self, fun: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
                static_argnums: tuple[int, ...], donate_argnums: tuple[int, ...], backend: str,
                rules: Sequence[tuple[str, Any]] | None = None, auto: bool = False,
-               memory_limit: int | None = None):
+               memory_limit: int | None = None, static_kwnames: tuple[str, ...] = (),
+               donate_kwnames: tuple[str, ...] = ()):
     if not callable(fun):
       raise TypeError(f"spmd.partition: fun must be callable, got {fun!r}")
     if not isinstance(mesh, Mesh):
@@ -212,6 +216,7 @@ class Partitioned:
     self.in_specs, self.out_specs = in_specs, out_specs
     self.auto, self.memory_limit = auto, memory_limit
     self.static_argnums, self.donate_argnums = static_argnums, donate_argnums
+    self.static_kwnames, self.donate_kwnames = static_kwnames, donate_kwnames
     self._mesh_shape = mesh_shape(mesh)
     self._given_rules = None if rules is None else AxisRules.of(rules, mesh.axis_names)
     self._cache: dict[Any, _Compiled] = {}
@@ -221,6 +226,7 @@ class Partitioned:
     self._dispatch: dict[Any, _Compiled] = {}  # by argument structure, avals, shardings
     self._steady: dict[Any, _Steady] = {}  # by argument structure and static values
     self._graph_calls: dict[Any, Partitioned] = {}
+    self._keyword_calls: dict[Any, Partitioned] = {}
     functools.update_wrapper(self, fun)
 
   @property
@@ -231,7 +237,10 @@ class Partitioned:
     return AxisRules.ambient(self.mesh.axis_names)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    args = self._positional(args, kwargs)  # NNX modules passed by keyword are updated too
+    if kwargs:
+      target, args = self._bound(args, kwargs)  # NNX modules passed by keyword are updated too
+      if target is not self:
+        return target(*args)
     if _graph_node_positions(args):
       pure, pure_args, nodes = self._over_graph_state(args)
       out, state = pure(*pure_args)
@@ -270,7 +279,9 @@ class Partitioned:
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
-    args = self._positional(args, kwargs)
+    target, args = self._bound(args, kwargs)
+    if target is not self:
+      return target.plan(*args)
     if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.plan(*pure_args)
@@ -280,7 +291,9 @@ class Partitioned:
     """The program lowered as ``jax.jit`` lowers: ``.compile()`` gives a ``jax.stages.Compiled``
     called with the non-static arguments (pytrees, as here) that returns the outputs' pytree.
     With uneven inputs (which JAX cannot take), the program over their padded flat leaves."""
-    args = self._positional(args, kwargs)
+    target, args = self._bound(args, kwargs)
+    if target is not self:
+      return target.lower(*args)
     if _graph_node_positions(args):
       pure, pure_args, _ = self._over_graph_state(args)
       return pure.lower(*pure_args)
@@ -657,16 +670,50 @@ class Partitioned:
 
   # --- arguments -------------------------------------------------------------------------------
 
-  def _positional(self, args: tuple, kwargs: dict) -> tuple:
+  def _bound(self, args: tuple, kwargs: dict) -> tuple[Partitioned, tuple]:
+    """The partitioned function and positional arguments a call comes to: arguments passed by
+    keyword are bound to their positions; keyword-only ones (and ``**kwargs``) go to a variant
+    of this function that takes the traced ones last among its positional arguments and the
+    static ones (``static_argnames``) as constants, one variant per set of names and static
+    values."""
     if not kwargs:
-      return args
+      return self, args
     bound = inspect.signature(self.fun).bind(*args, **kwargs)
-    if bound.kwargs:
-      names = sorted(bound.kwargs)
-      raise TypeError(f"spmd.partition: keyword-only arguments {names} are not supported: bind "
-                      f"them first (functools.partial(fun, {names[0]}=...)) or make them "
-                      "positional parameters of the function")
-    return bound.args
+    if not bound.kwargs:
+      return self, bound.args
+    static = tuple((k, v) for k, v in bound.kwargs.items() if k in self.static_kwnames)
+    traced = tuple(k for k in bound.kwargs if k not in self.static_kwnames)
+    key = (len(bound.args), traced, static)
+    try:
+      variant = self._keyword_calls.get(key)
+    except TypeError:
+      raise TypeError(f"spmd.partition: static arguments must be hashable, as jax.jit's are: "
+                      f"{', '.join(k for k, _ in static)}") from None
+    if variant is None:
+      variant = self._keyword_calls[key] = self._keyword_variant(len(bound.args), traced,
+                                                                 dict(static))
+    return variant, bound.args + tuple(bound.kwargs[k] for k in traced)
+
+  def _keyword_variant(self, count: int, traced: tuple[str, ...],
+                       static: dict[str, Any]) -> Partitioned:
+    """This function over ``count`` positional arguments and then the keyword-only ``traced``
+    ones (open in_specs), with the ``static`` ones bound."""
+    fun = self.fun
+
+    def by_keyword(*args: Any) -> Any:
+      return fun(*args[:count], **static, **dict(zip(traced, args[count:])))
+
+    by_keyword.__name__ = by_keyword.__qualname__ = getattr(fun, "__name__", "fun")
+    kept = {i % count for i in self.static_argnums}
+    dynamic = count - len(kept)
+    given = (tuple(self.in_specs) if isinstance(self.in_specs, (tuple, list)) else
+             None if self.in_specs is None else (self.in_specs,) * dynamic)
+    in_specs = None if given is None else given + (None,) * len(traced)
+    donated = tuple(i % count for i in self.donate_argnums) + tuple(
+        count + traced.index(k) for k in self.donate_kwnames if k in traced)
+    rules = None if self._given_rules is None else self._given_rules.rules
+    return Partitioned(by_keyword, self.mesh, in_specs, self.out_specs, tuple(sorted(kept)),
+                       donated, self.backend, rules, self.auto, self.memory_limit)
 
   def _arg_names(self, n: int) -> list[str]:
     try:
@@ -875,18 +922,23 @@ def _check_leaf(name: str, leaf: Any) -> None:
                   "pass arrays or mark the argument static with static_argnums")
 
 
-def _argnums(fun: Callable, names: str | Sequence[str], what: str) -> tuple[int, ...]:
-  """The positions of the parameters ``names`` of ``fun`` (as ``jax.jit`` resolves them)."""
+def _argnums(fun: Callable, names: str | Sequence[str],
+             what: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """The positions of the positional parameters among ``names`` of ``fun`` (as ``jax.jit``
+  resolves them), and the names of the keyword-only ones (or of ``**kwargs`` entries)."""
   names = (names,) if isinstance(names, str) else tuple(names)
   if not names:
-    return ()
-  params = [p.name for p in inspect.signature(fun).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-  unknown = [n for n in names if n not in params]
+    return (), ()
+  params = inspect.signature(fun).parameters
+  positional = [p.name for p in params.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  by_keyword = any(p.kind == p.VAR_KEYWORD for p in params.values())
+  unknown = [n for n in names if n not in params and not by_keyword]
   if unknown:
-    raise ValueError(f"spmd.partition: {what} {unknown} are not positional parameters of "
+    raise ValueError(f"spmd.partition: {what} {unknown} are not parameters of "
                      f"{getattr(fun, '__name__', fun)}{tuple(params)}")
-  return tuple(params.index(n) for n in names)
+  return (tuple(positional.index(n) for n in names if n in positional),
+          tuple(n for n in names if n not in positional))
 
 
 def _ints(x: int | Sequence[int], what: str) -> tuple[int, ...]:

@@ -490,9 +490,28 @@ def test_structure_mismatch_names_structures_not_arrays(mesh):
   assert "Array(" not in message and len(message.splitlines()) == 1
 
 
-def test_keyword_only_arguments_get_advice_that_works(mesh):
-  def h(x, *, scale):
-    return x * scale
+def test_keyword_only_arguments_traced_static_and_donated_as_under_jit(mesh):
+  def h(x, *, scale, power=2, **extra):
+    y = x ** power * scale
+    return y + extra["shift"] if "shift" in extra else y
 
-  with pytest.raises(TypeError, match=r"functools.partial\(fun, scale=...\)"):
-    spmd.partition(h, mesh=mesh)(X, scale=2.0)
+  g = spmd.partition(h, mesh=mesh, in_specs=(P("data"),), static_argnames="power",
+                     donate_argnames="scale")
+  want = jax.jit(h, static_argnames="power")
+  scale = jax.device_put(jnp.full((8, 16), 3.0), NamedSharding(mesh, P("data")))
+  out = g(X, scale=scale)
+  np.testing.assert_allclose(out, want(X, scale=jnp.full((8, 16), 3.0)), rtol=1e-6)
+  assert scale.is_deleted()  # donated by name into the output's buffer, as by jax.jit
+  np.testing.assert_allclose(g(X, scale=2.0, power=3), want(X, scale=2.0, power=3), rtol=1e-6)
+  np.testing.assert_allclose(g(X, scale=2.0, shift=X), want(X, scale=2.0, shift=X), rtol=1e-6)
+  # a committed keyword argument's sharding seeds propagation, as for positional open leaves
+  kept = jax.device_put(X, NamedSharding(mesh, P(None, "model")))
+  plan = g.plan(X, scale=kept, power=1)
+  assert plan.in_specs[1] == P(None, "model") and not plan.collectives
+  assert g.lower(X, scale=kept, power=1).compile()(X, kept).shape == X.shape
+  grads = jax.grad(lambda s: g(X, scale=s).sum())(2.0)  # through a traced keyword argument
+  np.testing.assert_allclose(grads, (X ** 2).sum(), rtol=1e-5)
+  with pytest.raises(TypeError, match="hashable"):
+    g(X, scale=1.0, power=[2])
+  with pytest.raises(ValueError, match=r"static_argnames \[.t.\] are not parameters"):
+    spmd.partition(lambda x, *, s: x * s, mesh=mesh, static_argnames="t")
