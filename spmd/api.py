@@ -344,9 +344,16 @@ class Partitioned:
     state_specs = type(state)({k: _raw_state(nnx, spec_of[i])
                                for k, i in zip(state.keys(), positions)})
     in_specs = (state_specs, *(spec_of[i] for i in dynamic if i not in positions))
-    static = tuple(1 + sum(1 for j in range(i) if j not in positions) for i in sorted(kept))
+    def position(i: int) -> int:  # of argument i among pure's: the state, then the others
+      return 1 + sum(1 for j in range(i) if j not in positions)
+
+    static = tuple(position(i) for i in sorted(kept))
+    donated = {i % count for i in self.donate_argnums}
+    # the modules' joint state is donated where every module is, as nnx.jit donates a module's
+    donate = ((0,) if set(positions) <= donated else ()) + tuple(
+        position(i) for i in sorted(donated) if i not in positions)
     rules = None if self._given_rules is None else self._given_rules.rules
-    return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, (),
+    return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, donate,
                        self.backend, rules, self.auto, self.memory_limit)
 
   # --- tracing and caching -------------------------------------------------------------------

@@ -510,6 +510,28 @@ def test_nnx_modules_passed_by_keyword_are_updated():
   check_plan(partitioned, model, optimizer=optimizer, batch=batch)
 
 
+def test_nnx_modules_donated_as_under_nnx_jit():
+  """donate_argnums over modules donates their state, as nnx.jit's: the old param buffers are
+  reused for the new ones, which the modules hold after the call."""
+  def step(model, optimizer, x):
+    grads = nnx.grad(lambda m: (m(x) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return model(x).sum()
+
+  def fresh():
+    model = nnx.Linear(12, 16, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  (model, optimizer), reference = fresh(), fresh()
+  partitioned = spmd.partition(step, mesh=mesh_of("2x4"), in_specs=(None, None, P("data")),
+                               donate_argnums=(0, 1))
+  x = randn(8, 12)
+  old = model.kernel[...]
+  assert_trees_match(partitioned(model, optimizer, x), nnx.jit(step)(*reference, x), rtol=1e-5)
+  assert old.is_deleted() and not model.kernel[...].is_deleted()
+  assert_trees_match(nnx.state(model), nnx.state(reference[0]), rtol=1e-5, atol=1e-6)
+
+
 def test_nnx_module_with_static_argnums_takes_in_specs_of_the_non_static_arguments():
   """As without modules, in_specs name the non-static arguments: an NNX call counted the static
   one too and refused (model, x, power) with in_specs (None, P("data"))."""
