@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, joint_mirrors,
-                                          plan_halo, plan_reversal, plan_rotation,
-                                          plan_scatter_halos)
+                                          plan_reversal, plan_rotation, plan_scatter_halos,
+                                          plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, plan_reshard
@@ -206,7 +206,7 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
     return (plan_rotation(w.operand, w.dim, axes, w.window.size, _count(axes, mesh), w.window.lo),)
   if w.mode == "reverse":
     return plan_reversal(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
-  halo = plan_halo(w.operand, w.dim, axes, w.window, _count(axes, mesh))
+  halo = plan_window(w.operand, w.dim, axes, w.window, _count(axes, mesh))
   return None if halo is None else (halo,)
 
 
