@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, joint_mirrors,
-                                          plan_halo, plan_reversal, plan_rotation,
-                                          plan_scatter_halos)
+                                          plan_reversal, plan_rotation, plan_scatter_halos,
+                                          plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, plan_reshard
@@ -149,6 +149,8 @@ class ExecutionPlanner:
         _factor_axes(c, from_results, from_operands, self.mesh, first, operands_first)
         for first, operands_first in (("reductions", False), ("others", False),
                                       ("reductions", True), ("larger", True)))
+    for kept in _each_operands_layout(c, shardings, from_operands, self.mesh):
+      choices.setdefault(_factor_axes(c, from_results, kept, self.mesh, "larger", True))
     if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
       choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
     if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
@@ -206,7 +208,7 @@ def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] 
     return (plan_rotation(w.operand, w.dim, axes, w.window.size, _count(axes, mesh), w.window.lo),)
   if w.mode == "reverse":
     return plan_reversal(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
-  halo = plan_halo(w.operand, w.dim, axes, w.window, _count(axes, mesh))
+  halo = plan_window(w.operand, w.dim, axes, w.window, _count(axes, mesh))
   return None if halo is None else (halo,)
 
 
@@ -263,6 +265,26 @@ def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,
     return []
   return [tuple(a + moved if g == f else a for g, a in enumerate(axes))
           for f, kind in enumerate(rule.kinds) if kind is FactorKind.PASS]
+
+
+def _each_operands_layout(c: Constraint, shardings: Mapping[Value, TensorSharding],
+                          from_operands: _Projected, mesh: MeshShape) -> list[_Projected]:
+  """For each operand of several whose axes disagree with another's on a factor: the operands'
+  projections with that operand's axes taking every factor it shards, so that the op may run
+  in its layout and move the others (XLA moves whichever operand costs less; the larger one
+  keeping its axes is the default choice)."""
+  disputed = {f for f, cands in from_operands.items() if len({a for _, a in cands if a}) > 1}
+  if not disputed:
+    return []
+  out = []
+  for v, tf in zip(c.operands, c.rule.operands):
+    if v is None or tf is None:
+      continue
+    own = _projections((v,), (tf,), shardings, c.rule, mesh)
+    if any(f in disputed and any(a for _, a in own[f]) for f in own):
+      out.append({**from_operands, **{f: cands for f, cands in own.items()
+                                      if any(a for _, a in cands)}})
+  return out
 
 
 def _count(axes: Axes, mesh: MeshShape) -> int:

@@ -90,8 +90,11 @@ def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshSha
   return buf
 
 
-def span(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshShape, received: dict,
-         prefix: tuple) -> jax.Array:
-  """The padded-dilated positions this shard's output block reads along the halo dim."""
+def span(x: jax.Array, halo: Halo | Rotation, shard: Any, pad_value: Any, mesh: MeshShape,
+         received: dict, prefix: tuple) -> jax.Array:
+  """The padded-dilated positions this shard's output block reads along the halo dim (a
+  Rotation: cut from the blocks they lie in, all inside the array)."""
+  if isinstance(halo, Rotation):
+    return rotate(x, halo, shard, mesh, received, prefix)
   buf = exchange(x, halo, shard, pad_value, mesh, received, prefix)
   return lax.dynamic_slice_in_dim(buf, halo.start(shard), halo.length, halo.dim)

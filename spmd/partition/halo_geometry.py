@@ -263,10 +263,12 @@ def joint_mirrors(exchanges: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
 
 @dataclass(frozen=True)
 class Rotation:
-  """roll along a dim: result row o is row (o - shift) mod size. Shard i receives one piece per
-  hop in ``pieces`` (distance 0: its own rows, no exchange); ``positions[i][r]`` is the row of
-  the pieces, concatenated in order, that its result row r is (None: they are its block in
-  order, as for every evenly split dim)."""
+  """Each shard's ``length`` rows taken from runs of rows of other shards' blocks at per-shard
+  offsets: roll along a dim (result row o is row (o - shift) mod size), or a window's span cut
+  from the blocks it reads (``plan_window``). Shard i receives one piece per hop in ``pieces``
+  (distance 0: its own rows, no exchange); ``positions[i][r]`` is the row of the pieces,
+  concatenated in order, that its row r is (None: they are its block in order, as for a roll
+  of an evenly split dim)."""
 
   operand: int
   dim: int
@@ -275,26 +277,24 @@ class Rotation:
   shards: int
   pieces: tuple[Hop, ...]
   positions: tuple[tuple[int, ...], ...] | None
+  length: int
 
   @property
   def block(self) -> int:
     return -(-self.size // self.shards)
 
-  @property
-  def length(self) -> int:
-    return self.block
 
-
-def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
-                  shift: int) -> Rotation:
-  """Each shard's result rows rotate from runs of rows of one or two (uneven: a few) shards; a
-  run from the shard ``d`` places after it is piece ``d``, as long as the longest such run."""
+def _plan_pieces(operand: int, dim: int, axes: Axes, size: int, shards: int,
+                 sources: list[list[int]], length: int) -> Rotation:
+  """Shard i's rows are the rows ``sources[i]`` of the dim (its first ``length`` rows; the rest
+  are left unread): a run from the shard ``d`` places after it is piece ``d``, as long as the
+  longest such run, each sender cutting it at its receiver's offset."""
   block = -(-size // shards)
   runs: list[list[tuple[int, int, int]]] = []  # per shard: (distance, first row, rows)
-  for i in range(shards):
+  for i, rows_of_i in enumerate(sources):
     mine: list[tuple[int, int, int]] = []
-    for o in range(block * i, min(block * (i + 1), size)):
-      j, row = divmod((o - shift) % size, block)
+    for source in rows_of_i:
+      j, row = divmod(source, block)
       d = (j - i) % shards
       if mine and mine[-1][0] == d and mine[-1][1] + mine[-1][2] == row:
         mine[-1] = (d, mine[-1][1], mine[-1][2] + 1)
@@ -312,11 +312,40 @@ def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
   for i, mine in enumerate(runs):
     mine_positions = [base[d] + row - starts[d][(i + d) % shards] + t
                       for d, row, n in mine for t in range(n)]
-    positions.append(tuple(mine_positions + [0] * (block - len(mine_positions))))
+    positions.append(tuple(mine_positions + [0] * (length - len(mine_positions))))
   pieces = tuple(Hop(dim, shards, axes, block, "rotate", d, rows[d], tuple(starts[d]))
                  for d in order)
-  identity = all(p == tuple(range(block)) for p in positions)
-  return Rotation(operand, dim, axes, size, shards, pieces, None if identity else tuple(positions))
+  identity = all(p == tuple(range(length)) for p in positions)
+  return Rotation(operand, dim, axes, size, shards, pieces,
+                  None if identity else tuple(positions), length)
+
+
+def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
+                  shift: int) -> Rotation:
+  """Each shard's result rows rotate from runs of rows of one or two (uneven: a few) shards."""
+  block = -(-size // shards)
+  return _plan_pieces(operand, dim, axes, size, shards,
+                      [[(o - shift) % size for o in range(block * i, min(block * (i + 1), size))]
+                       for i in range(shards)], block)
+
+
+def plan_window(operand: int, dim: int, axes: Axes, window: Window,
+                shards: int) -> Halo | Rotation | None:
+  """The halo of a windowed dim, or, where every span lies inside the array undilated, the
+  spans cut from the blocks they read at each shard's own offset, if that moves fewer rows (a
+  slice whose result blocks start at a different offset in each input block: the halo carries
+  the widest reach for every shard, the pieces each shard's rows alone, as XLA does)."""
+  halo = plan_halo(operand, dim, axes, window, shards)
+  if halo is None or halo.dilation != 1:
+    return halo
+  active = range(min(shards, -(-window.out // window.on(shards).block_out)))
+  spans = [range(halo.first(i), halo.first(i) + halo.length) for i in active]
+  if any(s.start < 0 or s.stop > halo.size for s in spans):
+    return halo
+  pieces = _plan_pieces(operand, dim, axes, halo.size, shards,
+                        [list(s) for s in spans] + [[]] * (shards - len(spans)), halo.length)
+  moved = sum(h.rows for h in pieces.pieces if h.distance)
+  return pieces if moved < sum(h.rows for h in hops(halo)) else halo
 
 
 Exchange = Halo | Mirror | Rotation
