@@ -63,8 +63,11 @@ def test_optax_optimizers_on_2d_sharded_kernels():
   params = jax.jit(MLP().init)(jax.random.key(0), randn(8, 8))["params"]
   in_specs = (MLP_SPECS, None, P("data"), P("data"))
   batches = [(randn(8, 8, seed=s), randn(8, 8, seed=10 + s)) for s in range(2)]
-  train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"), in_specs=in_specs),
-             (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+  plan = train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"), in_specs=in_specs),
+                    (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+  # muon's two unrolled Newton-Schulz steps: each step's collectives listed once per copy
+  ns = [c for c in plan.collectives if "_base_newton_schulz_iteration" in c.source]
+  assert ns and len(ns) % 2 == 0 and all(c.trips == 1 for c in ns), plan.explain()
 
 
 # --- NNX's functional API: nnx.split into plain states, nnx.merge inside a jax-style step --------
@@ -194,4 +197,6 @@ def test_linen_remat_scan_and_vmap_ensemble_with_logical_boxes():
   batches = [(randn(8, 8, seed=s), jnp.arange(8) % 4) for s in range(2)]
   step_fn = spmd.partition(step, mesh=mesh_of("2x4"), in_specs=(specs, None, P("batch"), P("batch")),
                            rules=RULES)
-  train_loop(jax.jit(step), step_fn, (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+  plan = train_loop(jax.jit(step), step_fn, (params, tx.init(params)), batches, rtol=1e-4,
+                    atol=1e-5)
+  assert plan.in_specs[0]["heads"]["Dense_0"]["kernel"] == P("model", None, None)
