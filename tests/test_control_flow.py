@@ -1,6 +1,8 @@
 """Loop invariants: a loop body reading one of the loop's consts, or a value computed from them
 alone, in another sharding reshards it once, before the loop (as XLA's loop-invariant code motion
 does), not once per trip; reshards of carries and scanned slices stay inside."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,3 +190,22 @@ def test_gradient_of_a_cond_whose_branches_make_different_residuals():
     x = sign * jnp.abs(randn(8, 16, seed=1))
     assert_partitioned_matches(grads, (x, randn(16, 4, seed=2)), (P("x"), P()), "x8",
                                reference=jax.jit(grads), rtol=1e-4, atol=1e-5)
+
+
+def test_an_unrolled_scan_holds_a_copy_of_its_collectives_per_unrolled_step():
+  """JAX lowers a scan of length 5 unrolled 2 times as a loop of 2 trips over 2 copies of the
+  body, then a fifth copy (unrolled fully: 5 copies, no loop; optax's muon runs its Newton-Schulz
+  steps so): the plan lists each copy's collectives with its own trips, as the compiled program
+  holds them (it listed the body's once, 5 trips, and read a fifth of the program's bytes)."""
+  def fn(x, w, unroll):
+    return lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=5, unroll=unroll)[0]
+
+  args = (randn(8, 16), randn(16, 16, seed=1) * 0.3)
+  for unroll, trips in ((2, [2, 2, 1]), (True, [1] * 5)):
+    plan = assert_partitioned_matches(functools.partial(fn, unroll=unroll), args, (SX, SW), MESH,
+                                      rtol=1e-4, atol=1e-4)
+    copies: dict = {}
+    for c in plan.collectives:
+      if "hoisted" not in c.tensor:
+        copies.setdefault((c.kind, c.bytes, c.shape), []).append(c.trips)
+    assert copies and all(sorted(t) == sorted(trips) for t in copies.values()), plan.explain()

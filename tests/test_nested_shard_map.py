@@ -268,3 +268,18 @@ def test_uneven_in_specs_are_refused_by_jax():
   g = spmd.partition(f, mesh=get_mesh(MESH), in_specs=P("a"))
   with pytest.raises(ValueError, match=r"(?s)shard_map.*evenly divisible"):
     g(randn(8, 6))
+
+
+def test_an_unrolled_scan_in_a_body_holds_a_psum_per_copy():
+  """A scan of 3 steps unrolled 2 times in the body: 2 copies of its psum in a loop of one trip
+  and a third copy after it, as the compiled program holds them (the plan listed one, 3 trips)."""
+  def f(x):
+    def body(b):
+      return lax.scan(lambda c, _: (c + jnp.sin(lax.psum(c, "b")), None), b, None, length=3,
+                      unroll=2)[0]
+    return smap(body, P("a", "b"), P("a", "b"))(x)
+
+  plan = assert_partitioned_matches(f, (randn(8, 16),), (P("a", "b"),), MESH, rtol=1e-4)
+  psums = [c for c in plan.collectives if c.primitive == "shard_map" and c.before == "manual"]
+  assert sorted(c.trips for c in psums) == [1, 1, 1], plan.explain()
+  assert body_kinds(plan) == {"all-reduce": 3 * 4 * 4 * 4}

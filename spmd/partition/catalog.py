@@ -80,13 +80,13 @@ STATEFUL = {"rng_uniform"}
 DEBUG_CALLBACKS = {"debug_callback", "debug_print"}
 
 CONTROL_FLOW = {
-    "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan, lambda p: p["length"],
+    "scan": ControlFlow(("jaxpr",), control.scan, control.lower_scan, control.scan_copies,
                         control.scan_invariants),
     "while": ControlFlow(("cond_jaxpr", "body_jaxpr"), control.while_, control.lower_while,
-                         lambda p: None,  # a runtime trip count
+                         lambda p: (None,),  # a runtime trip count
                          control.while_invariants),
     "cond": ControlFlow(("branches",), control.cond, control.lower_cond,
-                        lambda p: 1,  # one branch runs (the plan counts each branch's)
+                        lambda p: (1,),  # one branch runs (the plan counts each branch's)
                         control.cond_invariants),
 }
 # Calls whose body is inlined (sharding decisions see through them): the param holding it.

@@ -21,6 +21,7 @@ from spmd.partition.annotation import user_site
 from spmd.partition.ir import Value, source_line
 from spmd.partition import unchecked
 from spmd.partition.jax_compat import open_jaxpr
+from spmd.partition.rules.control import scan_copies
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.wire import Wire
@@ -131,15 +132,17 @@ def _axes(params: Mapping[str, Any]) -> Axes:
 
 
 def _equations(jaxpr: Any, trips: int | None) -> Iterator[tuple[Any, int | None]]:
-  """Every equation of ``jaxpr`` and of the bodies in its equations' params, with how often it
-  runs per run of ``jaxpr`` times ``trips``: a scan's body ``length`` times, a while loop's an
-  unknown number (None), any other body (a call, each branch of a cond) once."""
+  """Every equation of ``jaxpr`` and of the bodies in its equations' params, once per copy in the
+  lowered program, with how often that copy runs per run of ``jaxpr`` times ``trips``: a scan's
+  body ``length`` times (an unrolled one in copies, ``scan_copies``), a while loop's an unknown
+  number (None), any other body (a call, each branch of a cond) once."""
   for eqn in jaxpr.eqns:
     yield eqn, trips
     name = eqn.primitive.name
-    inner = (None if trips is None or name == "while"
-             else trips * eqn.params["length"] if name == "scan" else trips)
+    copies = scan_copies(eqn.params) if name == "scan" else (None,) if name == "while" else (1,)
     for value in eqn.params.values():
       for body in value if isinstance(value, (tuple, list)) else (value,):
         if hasattr(body, "eqns") or hasattr(getattr(body, "jaxpr", None), "eqns"):
-          yield from _equations(open_jaxpr(body)[0], inner)
+          for n in copies:
+            yield from _equations(open_jaxpr(body)[0],
+                                  None if trips is None or n is None else trips * n)

@@ -52,7 +52,8 @@ class ControlFlow:
   bodies: tuple[str, ...]                    # params holding the region jaxprs, in region order
   links: Callable[["Op"], list]              # -> rules.control.Link per tied group of tensors
   lower: Callable[[Any, Any, list], list]    # (interpreter, scheduled op, operands) -> results
-  trips: Callable[[dict], int | None]        # how often the regions run per op (None: unknown)
+  # how often each copy of the regions in the lowered program runs per op (None: unknown)
+  trips: Callable[[dict], tuple[int | None, ...]]
   invariants: Callable[["Op"], list]         # -> rules.control.Invariant per loop-invariant input
 
 

@@ -17,7 +17,7 @@ from spmd.partition.reshard import ReshardStep
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
-from spmd.partition.trips import region_trips, trip_counts
+from spmd.partition.trips import Copies, copy_counts, region_copies
 from spmd.plan import Collective, HaloExchange, Plan, PlanRow
 
 if TYPE_CHECKING:
@@ -33,26 +33,28 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
                                      mesh)
               for k, atom in enumerate(program.outputs) if sched.outputs[k] != wanted[k]]
   producers = _producers(program, boundary)
-  runs = trip_counts(program)
+  copies = copy_counts(program)
   annotations = {op.outputs[0]: op for op in program.all_ops()
                  if op.outputs and op.outputs[0] in sched.aliases and op not in sched.duplicates}
   by_op: dict[int, list[Collective]] = {}
   hoisted: dict[Op, list[Transfer]] = {}  # a loop body op -> its reshards run before the loop
   for s in sched.walk():
-    outer, inner = runs[s.op.index], region_trips(s.op, runs[s.op.index])
+    outer = copies[s.op.index]
+    inner = region_copies(s.op, outer)
     by_op.setdefault(s.op.index, [])
     for t in s.transfers:
       if t.reader is not None:
         hoisted.setdefault(t.reader, []).append(t)
       owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
       by_op.setdefault(owner.index, []).extend(
-          _collective(step, owner, t, outer) for step in t.steps if step.communicates)
-    by_op[s.op.index] += [_collective(step, s.op, t, inner) for r in s.regions for t in r.exit
-                          for step in t.steps if step.communicates]
-    by_op[s.op.index] += [_halo_collective(h, hop, b, s, outer) for h, hop, b in s.halo_hops]
-    by_op[s.op.index] += [_body_collective(b, s.op, outer) for b in s.body_collectives]
+          _placed([_collective(step, owner, t) for step in t.steps if step.communicates], outer))
+    by_op[s.op.index] += _placed([_collective(step, s.op, t) for r in s.regions
+                                  for t in r.exit for step in t.steps if step.communicates], inner)
+    by_op[s.op.index] += _placed([_halo_collective(h, hop, b, s) for h, hop, b in s.halo_hops],
+                                 outer)
+    by_op[s.op.index] += [_body_collective(b, s.op, n) for b in s.body_collectives for n in outer]
     if s.gathered:
-      by_op[s.op.index].append(_partials_collective(s, outer))
+      by_op[s.op.index] += _placed([_partials_collective(s)], outer)
     if s.execution is not None and s.op not in prop.unsupported:
       warnings.extend(_whole_dim_warnings(s, [*s.transfers, *hoisted.get(s.op, ())],
                                           prop.shardings))
@@ -64,7 +66,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
           for op, depth in program.nested_ops]
   for t in sched.entry:
     k = t.slot.index
-    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
+    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
                         (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
     warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
@@ -73,11 +75,11 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   for t in sched.exit:
     owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
     if owner is not None:  # the output is an annotation's result, gathered as it asks
-      cols = tuple(_collective(step, owner, t, 1) for step in t.steps if step.communicates)
+      cols = tuple(_collective(step, owner, t) for step in t.steps if step.communicates)
       by_op.setdefault(owner.index, []).extend(cols)
       _attach(rows, owner, cols)
       continue
-    cols = tuple(_collective(step, None, t, 1) for step in t.steps if step.communicates)
+    cols = tuple(_collective(step, None, t) for step in t.steps if step.communicates)
     if cols:
       k = t.slot.index
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
@@ -120,32 +122,37 @@ def _attach(rows: list[PlanRow], op: Op, collectives: tuple[Collective, ...]) ->
       return
 
 
-def _collective(step: ReshardStep, op: Op | None, t: Transfer, trips: int | None) -> Collective:
+def _placed(collectives: list[Collective], copies: Copies) -> list[Collective]:
+  """Each collective once per copy of its op in the lowered program (an unrolled scan's body is
+  copied), with that copy's runs per call."""
+  return [dataclasses.replace(c, trips=n) for c in collectives for n in copies]
+
+
+def _collective(step: ReshardStep, op: Op | None, t: Transfer) -> Collective:
   """``op`` None: a transfer at the program's entry (an input) or exit (an output)."""
   boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
   tensor = str(t.slot) if t.reader is None else f"{t.slot}, hoisted before its loop"
   return Collective(step.kind, step.axes, step.bytes, None if op is None else op.index,
                     t.slot.kind if op is None else op.primitive,
                     boundary if op is None else op.source, tensor, _shape(t.value),
-                    str(step.before), str(step.after), trips)
+                    str(step.before), str(step.after))
 
 
-def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp,
-                     trips: int | None) -> Collective:
+def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp) -> Collective:
   x = s.op.inputs[h.operand]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, trips,
+                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, 1,
                     HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
                                  tuple(hop.pairs)))
 
 
-def _partials_collective(s: ScheduledOp, trips: int | None) -> Collective:
+def _partials_collective(s: ScheduledOp) -> Collective:
   """An op's all-gather of its per-shard partial results, which it reduces again (rule.gathers)."""
   ex, result = s.execution, s.op.outputs[0]
   return Collective("all-gather", ex.partial_axes, s.gathered, s.op.index, s.op.primitive,
                     s.op.source, "per-shard partial results", _shape(result), str(s.reads[0]),
-                    str(s.writes[0]), trips)
+                    str(s.writes[0]))
 
 
 def _body_collective(b: BodyCollective, op: Op, trips: int | None) -> Collective:

@@ -134,6 +134,20 @@ def lower_scan(it: Interpreter, s: Any, args: list) -> list:
   return [*carry, *ys]
 
 
+def scan_copies(p: dict) -> tuple[int, ...]:
+  """The runs per scan of each copy of its body in the lowered program, as JAX lowers it
+  (lax's ``_scan_impl``): a loop of ``length // unroll`` trips over ``unroll`` copies, then one
+  copy per remaining step; fully unrolled (one trip and no remainder, or unroll 0) where that
+  loop would run once."""
+  length, unroll = p["length"], p["unroll"]
+  if unroll == 1:
+    return (length,)
+  trips, rest = divmod(length, unroll) if unroll else (0, length)
+  if trips == 1 and not rest:
+    trips, rest = 0, length
+  return (trips,) * (unroll if trips else 0) + (1,) * rest
+
+
 def lower_while(it: Interpreter, s: Any, args: list) -> list:
   op, p = s.op, s.op.params
   cn, bn = p["cond_nconsts"], p["body_nconsts"]
