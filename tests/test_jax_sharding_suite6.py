@@ -1,10 +1,10 @@
 """JAX's own sharding tests, round 6: PRNG draws with sharded parameters and typed keys, custom
 derivatives with ``nondiff_argnums``, ``custom_gradient`` and symbolic zeros, checkpoint policies
 not yet covered (combined policies, ``prevent_cse=False``, ``static_argnums``), captured constants
-(jax.Arrays committed to the mesh, numpy index tables, keys), user pytree classes, meshes of
-devices in other orders and sub-meshes of other devices, constraints naming another mesh shape,
-and the result properties JAX's tests read (``.sharding.spec``, ``addressable_shards``,
-``is_fully_replicated``, ``committed``). Each is compared with ``jax.jit`` given the same shardings
+(jax.Arrays committed to the mesh, numpy index tables, keys; a constant two dots read), user
+pytree classes, meshes of devices in other orders and sub-meshes of other devices, constraints
+naming another mesh shape, and the result properties JAX's tests read (``.sharding.spec``,
+``addressable_shards``, ``is_fully_replicated``, ``committed``). Each is compared with ``jax.jit`` given the same shardings
 (values and output shardings) and its plan with the compiled HLO (tests/helpers.py). Cases of the
 earlier suites, test_jax_cases.py, test_jit_parity.py and test_primitives.py are not repeated."""
 from __future__ import annotations
@@ -64,20 +64,19 @@ def check_layout(fn: Callable, args: tuple, in_specs: Any, mesh: Any,
   return plan
 
 
-# --- PRNG with sharded parameters and keys ---------------------------------------------------------
+# --- PRNG with sharded parameters and keys --------------------------------------------------------
 
 @case
 def random_draws_with_sharded_parameters():
-  """uniform's bounds, bernoulli's probability, truncated_normal's bounds and randint's integer
-  bounds as sharded arrays, each sharded its own way."""
-  def f(k, lo, hi, p, t, i):
-    ks = jax.random.split(k, 4)
+  """uniform's bounds, bernoulli's probability and randint's integer bounds as sharded arrays,
+  each sharded its own way."""
+  def f(k, lo, hi, p, i):
+    ks = jax.random.split(k, 3)
     return (jax.random.uniform(ks[0], (8, 16), minval=lo, maxval=hi),
-            jax.random.bernoulli(ks[1], p), jax.random.truncated_normal(ks[2], t, -t),
-            jax.random.randint(ks[3], (8, 16), i, i + 50))
+            jax.random.bernoulli(ks[1], p), jax.random.randint(ks[2], (8, 16), i, i + 50))
   args = (KEY, randn(8, 16), randn(8, 16, seed=1) + 4.0, np.abs(np.sin(randn(8, 16, seed=2))),
-          -np.abs(randn(8, 16, seed=3)) - 0.5, ints(8, 16, high=10))
-  check_jit(f, args, (P(), P("a", "b"), P("a", "b"), P(None, "b"), P("a"), P("b", "a")), MESH)
+          ints(8, 16, high=10))
+  check_jit(f, args, (P(), P("a", "b"), P("a", "b"), P(None, "b"), P("b", "a")), MESH)
 
 
 @case
@@ -105,14 +104,6 @@ def random_split_to_a_two_d_key_array_sharded():
 
 
 @case
-def random_split_of_each_sharded_key_into_a_pair():
-  def f(keys):
-    pairs = jax.vmap(lambda kk: jax.random.split(kk, 2))(keys)
-    return pairs, jax.vmap(jax.vmap(lambda kk: jax.random.normal(kk, (4,))))(pairs)
-  check_jit(f, (jax.random.split(KEY, 8),), P("a"), MESH)
-
-
-@case
 def random_choice_without_replacement_of_a_sharded_array():
   check_jit(lambda k, x: jax.random.choice(k, x, (4,), replace=False, axis=1), (KEY, X),
             (P(), P("a")), MESH)
@@ -128,8 +119,8 @@ def random_gumbel_max_over_a_sharded_dim_into_out_specs():
 
 
 @case
-def random_gumbel_max_over_a_sharded_dim_open_output():
-  check_jit(gumbel_max, (KEY, X), (P(), P("a", "b")), MESH)
+def argmax_over_a_sharded_dim_open_output():
+  check_jit(lambda x: jnp.argmax(x, axis=1), (X,), P("a", "b"), MESH)
 
 
 @case
@@ -137,15 +128,6 @@ def random_sharded_keys_each_drawing_a_permutation():
   def f(keys):
     return jax.vmap(lambda kk: jax.random.permutation(kk, 16))(keys)
   check_jit(f, (jax.random.split(KEY, 8),), P("a"), MESH, P("a"))
-
-
-@case
-def random_dropout_mask_on_a_sharded_activation():
-  def f(k, x, w):
-    h = jax.nn.relu(x @ w)
-    keep = jax.random.bernoulli(k, 0.75, h.shape)
-    return jnp.where(keep, h / 0.75, 0.0)
-  check_jit(f, (KEY, X, W), (P(), P("a"), P(None, "b")), MESH)
 
 
 # --- custom derivatives ---------------------------------------------------------------------------
@@ -319,13 +301,6 @@ def checkpoint_with_a_static_argument():
             (P("a", "b"), P("b")), MESH)
 
 
-@case
-def checkpoint_everything_saveable_with_names_offload_free():
-  policy = jax.checkpoint_policies.save_any_names_but_these()
-  block = jax.checkpoint(two_layers, policy=policy)
-  check_jit(jax.grad(lambda x, w: block(x, w).mean()), (X, W), (P("a", "b"), P("b")), MESH)
-
-
 # --- captured constants ---------------------------------------------------------------------------
 
 @case
@@ -380,7 +355,7 @@ def closed_over_committed_array_in_cond_branches():
   check_jit(f, (X, jnp.int32(1)), (P("a", "b"), P()), MESH)
 
 
-# --- pytrees ---------------------------------------------------------------------------------------
+# --- pytrees --------------------------------------------------------------------------------------
 
 class Batch(NamedTuple):
   inputs: Any
@@ -467,7 +442,7 @@ def tree_util_partial_as_an_argument():
   check_jit(f, (fn, X), (jax.tree_util.Partial(fn.func, P("b")), P("a", "b")), MESH)
 
 
-# --- mesh forms ------------------------------------------------------------------------------------
+# --- mesh forms -----------------------------------------------------------------------------------
 
 def mesh_of(devices: Any, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), names)
@@ -538,7 +513,7 @@ def ensure_compile_time_eval_constant_inside():
   check_jit(f, (X,), P("a", "b"), MESH)
 
 
-# --- result properties -----------------------------------------------------------------------------
+# --- result properties ----------------------------------------------------------------------------
 
 @case
 def results_replicated_sharded_and_scalar_read_as_jax_tests_do():
@@ -567,7 +542,7 @@ def results_of_an_uneven_input_read_as_jax_tests_do():
 
 
 XFAIL: dict[Callable, str] = {
-    random_gumbel_max_over_a_sharded_dim_open_output: (
+    argmax_over_a_sharded_dim_open_output: (
         "an open output of argmax along a sharded dim comes back with that dim's axes moved to "
         "the kept dim, P(('a','b')), where jax.jit returns P('a') (docs/ARCHITECTURE.md, Known "
         "gaps)"),
