@@ -743,7 +743,7 @@ class Partitioned:
 
 def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | NamedSharding | None]:
   """Expands a pytree prefix of specs to one spec per leaf of ``tree``."""
-  if isinstance(prefix, (list, tuple)) and isinstance(tree, (list, tuple)):
+  if type(prefix) in (list, tuple) and type(tree) in (list, tuple):  # not a namedtuple
     prefix = type(tree)(prefix)  # a list of specs for a tuple of arguments, or the reverse
   is_spec = lambda x: x is None or isinstance(x, (P, NamedSharding))  # noqa: E731
   spec_leaves, spec_tree = tree_flatten(prefix, is_leaf=is_spec)

@@ -1,4 +1,5 @@
 """The public contract of spmd.partition, spmd.annotate, spmd.make_mesh and Plan."""
+import collections
 import contextlib
 from typing import Iterator
 
@@ -70,6 +71,17 @@ def test_out_specs_prefix_of_output_pytree(mesh):
   assert out["b"][0].sharding.spec == P("data")  # the entry as given, as jax.jit returns it
   assert out["b"][1].sharding.spec == P("data")
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), out, two(X))
+
+
+def test_namedtuple_out_specs_for_a_namedtuple_output(mesh):
+  """A namedtuple of specs for a namedtuple output is matched field by field (it was rebuilt as
+  the output's type from one positional argument, a TypeError)."""
+  Pair = collections.namedtuple("Pair", "h s")
+  g = spmd.partition(lambda x: Pair(x * 2, x.sum(1)), mesh=mesh, in_specs=P("data"),
+                     out_specs=Pair(P(None, "model"), P("data")))
+  out = g(X)
+  assert (out.h.sharding.spec, out.s.sharding.spec) == (P(None, "model"), P("data"))
+  np.testing.assert_allclose(out.s, X.sum(1), rtol=1e-6)
 
 
 def test_in_specs_none_takes_shardings_of_arrays_on_the_mesh(mesh):

@@ -577,6 +577,17 @@ def test_elementwise_of_arguments_sharded_differently_keeps_their_common_prefix(
   check_jit(lambda x, y: x * y + 1, (randn(8, 16), randn(8, 16, seed=1)), specs, mesh)
 
 
+@pytest.mark.parametrize("loss", ["dot", "product"])
+def test_a_constant_read_by_several_ops_leaves_each_its_own_sharding(mesh, loss):
+  """The cotangent jax.grad of a sum seeds is a constant read by every argument's gradient: each
+  reader takes its own copy, as under Shardy's constant splitter (both gradients of (x @ w).sum()
+  with x P("data"), w P(None, "model") are P() under jax.jit; spmd returned P("data") and
+  P(None, "model"), the sharding one reader gave the constant reaching the other)."""
+  x, y = randn(8, 16), randn(16, 8, seed=1) if loss == "dot" else randn(8, 16, seed=1)
+  fn = (lambda x, y: (x @ y).sum()) if loss == "dot" else (lambda x, y: (x * y).sum())
+  check_jit(jax.grad(fn, (0, 1)), (x, y), (P("data"), P(None, "model")), mesh)
+
+
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype")
 def test_dtypes_through_sums_maxes_dots_and_casts(mesh):
   """Small integer values, so sums are exact in every dtype (int8 dots wrap alike); an int64 sum

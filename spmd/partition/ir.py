@@ -346,6 +346,43 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   return kept, tuple(sub(a) for a in outputs)
 
 
+def _split_constants(ops: list[Op], outputs: tuple[Atom, ...]
+                     ) -> tuple[list[Op], tuple[Atom, ...]]:
+  """Each further reader of a value computed from literals and iotas alone reads its own copy of
+  that computation, as Shardy's constant splitter gives each use its own: the sharding one reader
+  gives a constant does not reach the others (the cotangent ``jax.grad`` of a sum seeds, read by
+  the gradient of every argument). cse.py merges the copies that end up in one sharding."""
+  made: dict[Value, Op] = {}  # constant values -> the op making them
+  read: set[Value] = set()
+  kept: list[Op] = []
+
+  def copy(v: Value) -> Value:
+    op = made[v]
+    clone = replace(op, inputs=tuple(copy(a) if isinstance(a, Value) and a in made else a
+                                     for a in op.inputs),
+                    outputs=tuple(Value(o.aval) for o in op.outputs))
+    kept.append(clone)
+    return clone.outputs[op.outputs.index(v)]
+
+  def reader(atoms: tuple[Atom, ...]) -> tuple[Atom, ...]:
+    mine: dict[Value, Value] = {}  # one op reading a constant twice reads one copy
+    for a in atoms:
+      if isinstance(a, Value) and a in made and a not in mine:
+        mine[a] = copy(a) if a in read else a
+        read.add(a)
+    return tuple(mine.get(a, a) if isinstance(a, Value) else a for a in atoms)
+
+  for op in ops:
+    for region in op.regions:
+      region.ops, region.outputs = _split_constants(region.ops, region.outputs)
+    op.inputs = reader(op.inputs)
+    if not op.regions and cse_key(op) is not None and all(
+        not isinstance(a, Value) or a in made for a in op.inputs):
+      made.update((v, op) for v in op.outputs)
+    kept.append(op)
+  return kept, reader(outputs)
+
+
 def _only_case(op: Op, equal: Mapping[Value, Value]) -> Value | None:
   """The value every case of a ``select_n`` is (``equal``: values computed from iotas and literals
   alone, each to the first equal one), else None."""
@@ -536,6 +573,7 @@ def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   builder = _Builder(platform)
   top = builder.region(closed)
   ops, outputs = _dedupe(top.ops, top.outputs)
+  ops, outputs = _split_constants(ops, outputs)
   ops, folded = fold_constants(ops)
   folded += fold_region_empties(ops)
   _static_dynamic_slices(ops)
