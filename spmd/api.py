@@ -24,7 +24,7 @@ from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.annotation import restate_spec_error
 from spmd.partition.ir import build_program, names_mesh_axes
-from spmd.partition.jax_compat import lowering_platform
+from spmd.partition.jax_compat import lowering_platform, under_jit
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.manual import restate_unbound_axis
@@ -261,14 +261,14 @@ class Partitioned:
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         try:
-          return compiled.outputs(compiled.call(*leaves))
+          return compiled.outputs(self._run_traced(compiled, compiled.call, leaves))
         except TypeError as e:
           if not _refuses_forward_mode(e):
             raise
         # Forward mode (jax.jvp, jacfwd, hessian), which JAX refuses through a custom_vjp:
         # JAX's own rules differentiate the partitioned program, its tangents running through
         # the same collectives.
-        return compiled.outputs(compiled.traced(*leaves))
+        return compiled.outputs(self._run_traced(compiled, compiled.traced, leaves))
       if key is not None:
         self._dispatch[key] = compiled
     leaves = self._placed(compiled.analysis, leaves)
@@ -276,6 +276,19 @@ class Partitioned:
       self._steady[structure] = _Steady.of(compiled, leaves)
       return compiled.rebuilt(compiled.execute(leaves))
     return compiled.outputs(compiled.fn(*leaves))
+
+  def _run_traced(self, compiled: _Compiled, run: Callable, leaves: Sequence[Any]) -> Any:
+    """``run(*leaves)`` for traced leaves. Staged (under ``jax.jit``) inside ``jax.set_mesh`` of
+    this mesh with Explicit axes, its results are typed on that mesh as the program returns
+    them: the program runs over the mesh's Auto twin (``jax.sharding.auto_axes``), whose types
+    JAX refuses to mix with the context's. (Eager transformations see the results' concrete
+    values, already placed on the mesh.)"""
+    context = jax.sharding.get_abstract_mesh()
+    if (context.empty or not context.explicit_axes
+        or context.axis_names != self.mesh.axis_names or not under_jit()):
+      return run(*leaves)
+    return jax.sharding.auto_axes(lambda *flat: tuple(run(*flat)), out_sharding=tuple(
+        NamedSharding(self.mesh, _trimmed(s.spec)) for s in compiled.out_shardings))(*leaves)
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -529,9 +542,16 @@ class Partitioned:
              [s for i, s in enumerate(in_specs) if i not in in_diff],
              [out_specs[j] for j in out_diff]),
             [in_shardings[i] for i in in_diff], (), (), self.backend))
-      grads = backward[0]([leaves[i] for i in in_diff],
-                          [x for i, x in enumerate(leaves) if i not in in_diff],
-                          [cts[j] for j in out_diff])
+      # leaves typed on the mesh's Auto twin (by _run_traced, under an Explicit context): the
+      # backward program runs there too, so the gradients come back typed as the leaves are
+      auto = [m for m in (jax.typeof(x).sharding.mesh for x in leaves)
+              if not m.empty and not m.explicit_axes]
+      explicit = jax.sharding.get_abstract_mesh().explicit_axes
+      with (jax.sharding.use_abstract_mesh(auto[0]) if auto and explicit
+            else contextlib.nullcontext()):
+        grads = backward[0]([leaves[i] for i in in_diff],
+                            [x for i, x in enumerate(leaves) if i not in in_diff],
+                            [cts[j] for j in out_diff])
       out = [np.zeros(np.shape(x), jax.dtypes.float0) for x in leaves]
       for i, g in zip(in_diff, grads):
         out[i] = _typed_like(g, leaves[i])
@@ -827,8 +847,12 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
 def _typed_like(x: Any, like: Any) -> Any:
   """``x`` with the sharding of ``like``'s type: under explicit mode a committed argument's type
   carries its sharding, and JAX requires its cotangent to have that type (spmd's program, traced
-  over the mesh's Auto twin, types its results without shardings)."""
+  over the mesh's Auto twin, types its results without shardings). Concrete gradients (an eager
+  jax.grad) are placed as a committed ``like`` is, on whichever twin of the mesh its type names."""
   want = jax.typeof(like).sharding
+  if (isinstance(like, jax.Array) and not isinstance(like, jax.core.Tracer) and like.committed
+      and isinstance(like.sharding, NamedSharding)):
+    return x if jax.typeof(x).sharding == want else jax.device_put(x, like.sharding)
   if not names_mesh_axes(want) or jax.typeof(x).sharding.spec == want.spec:
     return x
   return jax.sharding.reshard(x, want)

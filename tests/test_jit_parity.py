@@ -409,6 +409,29 @@ def test_uneven_inputs_called_under_set_mesh(mesh):
                        jax.grad(lambda x: fn(x, w).sum())(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [8, 6], ids=["even", "uneven"])
+def test_called_inside_jit_under_set_mesh_of_an_explicit_mesh(rows):
+  """Inside ``jax.jit`` under ``jax.set_mesh`` of an Explicit mesh the results are typed on that
+  mesh, as ``jax.jit``'s are: they were typed on its Auto twin, the program's own, and JAX
+  refused to mix them with anything else (an add, the gradient's seed of ``jax.grad``)."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  fn = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+  x, w = randn(rows, 8), randn(8, 4, seed=1)
+  partitioned = spmd.partition(fn, mesh=mesh, in_specs=(P("model"), P(None, "data")))
+  loss = lambda f: lambda x, w: (f(x, w) * x[:, :4]).sum()  # noqa: E731
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda x, w: partitioned(x, w) + x[:, :4])(x, w)
+    assert jax.typeof(got).sharding.mesh.axis_types == mesh.axis_types
+    grads = jax.jit(jax.grad(loss(partitioned), argnums=(0, 1)))(x, w)
+    eager = jax.grad(loss(partitioned), argnums=(0, 1))(
+        jax.device_put(x, NamedSharding(mesh, P())), w)
+  assert_trees_match(got, fn(x, w) + x[:, :4], rtol=1e-5, atol=1e-6)
+  want = jax.grad(loss(fn), argnums=(0, 1))(x, w)
+  assert_trees_match(grads, want, rtol=1e-5, atol=1e-6)
+  assert_trees_match(eager, want, rtol=1e-5, atol=1e-6)
+
+
 FORWARD_CASES = {
     "uneven": (lambda x, w: jnp.tanh(x @ w).sum(1), (randn(6, 8), randn(8, 5, seed=1)),
                (P("model"), P(None, "data"))),

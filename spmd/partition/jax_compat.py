@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
+from jax._src import core as src_core  # unsafe_am_i_under_a_jit, internal in 0.10 to 0.12
 from jax.extend import core as jcore
 
 # JAX's modules that define the primitives of the programs users write (lax and its control
@@ -99,3 +100,10 @@ def weakly_typed(x: Any) -> Any:
 def set_cpu_device_count(count: int) -> None:
   """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
   jax.config.update("jax_num_cpu_devices", count)
+
+
+def under_jit() -> bool:
+  """Whether the current trace stages a program out (``jax.jit``, ``jax.make_jaxpr``), rather
+  than running eagerly (eager ``jax.grad`` and ``jax.vmap`` see concrete values)."""
+  return src_core.unsafe_am_i_under_a_jit()
+
