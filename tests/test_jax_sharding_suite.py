@@ -183,7 +183,7 @@ def static_and_donate_argnames():
     assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
     assert_like_jit(got, want)
     assert mine.is_deleted() and theirs.is_deleted()
-  with pytest.raises(ValueError, match=r"static_argnames \['activation'\] are not positional"):
+  with pytest.raises(ValueError, match=r"static_argnames \['activation'\] are not parameters"):
     spmd.partition(fn, mesh=mesh, static_argnames="activation")
 
 
