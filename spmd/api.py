@@ -346,12 +346,7 @@ class Partitioned:
 
     kept = {i % count for i in self.static_argnums}
     dynamic = [i for i in range(count) if i not in kept]  # in_specs name these, as without NNX
-    given = (self.in_specs if isinstance(self.in_specs, (tuple, list)) else
-             (self.in_specs,) * len(dynamic))
-    if len(given) != len(dynamic):
-      raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {len(dynamic)} "
-                       "non-static arguments")
-    spec_of = dict(zip(dynamic, given))
+    spec_of = dict(zip(dynamic, self._specs_per_argument(len(dynamic))))
     # a module's spec given as an nnx.State (nnx.get_partition_spec / get_named_sharding of
     # nnx.state(model)) is held as the joint state holds each module's: its nested mapping
     state_specs = type(state)({k: _raw_state(nnx, spec_of[i])
@@ -365,9 +360,8 @@ class Partitioned:
     # the modules' joint state is donated where every module is, as nnx.jit donates a module's
     donate = ((0,) if set(positions) <= donated else ()) + tuple(
         position(i) for i in sorted(donated) if i not in positions)
-    rules = None if self._given_rules is None else self._given_rules.rules
     return Partitioned(pure, self.mesh, in_specs, (self.out_specs, state_specs), static, donate,
-                       self.backend, rules, self.auto, self.memory_limit)
+                       self.backend, self._rules_as_given, self.auto, self.memory_limit)
 
   # --- tracing and caching -------------------------------------------------------------------
 
@@ -732,15 +726,26 @@ class Partitioned:
 
     by_keyword.__name__ = by_keyword.__qualname__ = getattr(fun, "__name__", "fun")
     kept = {i % count for i in self.static_argnums}
-    dynamic = count - len(kept)
-    given = (tuple(self.in_specs) if isinstance(self.in_specs, (tuple, list)) else
-             None if self.in_specs is None else (self.in_specs,) * dynamic)
-    in_specs = None if given is None else given + (None,) * len(traced)
+    in_specs = self._specs_per_argument(count - len(kept)) + (None,) * len(traced)
     donated = tuple(i % count for i in self.donate_argnums) + tuple(
         count + traced.index(k) for k in self.donate_kwnames if k in traced)
-    rules = None if self._given_rules is None else self._given_rules.rules
     return Partitioned(by_keyword, self.mesh, in_specs, self.out_specs, tuple(sorted(kept)),
-                       donated, self.backend, rules, self.auto, self.memory_limit)
+                       donated, self.backend, self._rules_as_given, self.auto, self.memory_limit)
+
+  def _specs_per_argument(self, dynamic: int) -> tuple:
+    """``in_specs`` as one entry per non-static argument (a single spec stands for each), for
+    the partitioned functions derived from this one."""
+    given = (tuple(self.in_specs) if isinstance(self.in_specs, (tuple, list)) else
+             (self.in_specs,) * dynamic)
+    if len(given) != dynamic:
+      raise ValueError(f"spmd.partition: in_specs has {len(given)} entries for {dynamic} "
+                       "non-static arguments")
+    return given
+
+  @property
+  def _rules_as_given(self) -> Sequence[tuple[str, Any]] | None:
+    """``rules=`` as given to this function, for the partitioned functions derived from it."""
+    return None if self._given_rules is None else self._given_rules.rules
 
   def _arg_names(self, n: int) -> list[str]:
     try:
