@@ -100,7 +100,7 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
                                atol: float | None = None, *, atol_per_magnitude: bool = False,
                                reference: Callable | None = None, backend: str | None = None,
                                replicated: Collection[str] = (), like_jit: bool = False,
-                               **options: Any) -> spmd.Plan:
+                               like: Any = None, **options: Any) -> spmd.Plan:
   """Partitions ``fn`` over ``mesh`` (a Mesh or a ``MESH_AXES`` name) and checks the three
   things every partitioned program must satisfy:
 
@@ -110,7 +110,8 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   - no op ran replicated for want of a sharding rule, except the primitives ``replicated``
     names, which must (a test that expects the fallback says so);
   - with ``like_jit``: the outputs' shardings, dtypes and weak types are those of ``jax.jit``
-    given the same specs as in_shardings / out_shardings (``assert_like_jit``).
+    given the same specs as in_shardings / out_shardings (``assert_like_jit``); with ``like``
+    (outputs jax.jit gave), those of ``like``.
 
   ``backend`` defaults to ``$SPMD_TEST_BACKEND``, else the library's default; ``options`` go to
   ``spmd.partition``. Returns the plan for further asserts.
@@ -128,8 +129,10 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   assert_trees_match(out, (reference or fn)(*args), rtol, atol,
                      atol_per_magnitude=atol_per_magnitude)
   if like_jit:
-    assert_like_jit(out, jax.jit(fn, in_shardings=named(mesh, in_specs),
-                                 out_shardings=named(mesh, out_specs))(*args))
+    like = jax.jit(fn, in_shardings=named(mesh, in_specs),
+                   out_shardings=named(mesh, out_specs))(*args)
+  if like is not None:
+    assert_like_jit(out, like)
   if plan.backend == "spmd":
     assert_plan_is_hlo(plan, f.lower(*args).compile().as_text())
   fallbacks = missing_rules(plan)
@@ -150,11 +153,29 @@ def check_jit(fn: Callable, args: tuple, in_specs: Any, mesh: Any, out_specs: An
   with jax.set_mesh(mesh):
     want = jax.jit(fn, in_shardings=named(mesh, in_specs),
                    out_shardings=named(mesh, out_specs))(*args)
-  plan = assert_partitioned_matches(fn, args, in_specs, mesh, out_specs,
-                                    reference=lambda *_: want, **options)
-  got = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
-  assert_like_jit(got, want)
-  return plan
+  return assert_partitioned_matches(fn, args, in_specs, mesh, out_specs,
+                                    reference=lambda *_: want, like=want, **options)
+
+
+def both(fn: Callable, in_specs: Any, out_specs: Any = None,
+         mesh: Mesh | str = "a2b4") -> tuple[Callable, Callable]:
+  """``fn`` partitioned by spmd over ``mesh``, and ``jax.jit`` of it with the same shardings."""
+  mesh = as_mesh(mesh)
+  return (spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+          jax.jit(fn, in_shardings=named(mesh, in_specs), out_shardings=named(mesh, out_specs)))
+
+
+def same(got: Any, want: Any, shardings: bool = True) -> None:
+  """Values within float32 sums' reordering; with ``shardings``, jax.jit's output shardings."""
+  assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
+  if shardings:
+    assert_like_jit(got, want)
+
+
+def spd(batch: int, n: int, seed: int = 0) -> np.ndarray:
+  """A batch of well-conditioned symmetric positive definite matrices."""
+  a = randn(batch, n, n, seed=seed)
+  return a @ a.transpose(0, 2, 1) + n * np.eye(n, dtype=np.float32)
 
 
 def check_plan(partitioned: Callable, *args: Any, **kwargs: Any) -> spmd.Plan:

@@ -19,28 +19,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (Cases, assert_like_jit, assert_trees_match, check_jit, check_plan, get_mesh, named,
-                     randn)
+from helpers import (Cases, assert_like_jit, assert_trees_match, both, check_jit, check_plan, get_mesh,
+                     named, randn, same)
 
 CASES = Cases()  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
 case = CASES.register
-
-
-def both(fn: Callable, in_specs: Any, out_specs: Any = None) -> tuple[Callable, Callable]:
-  """``fn`` partitioned by spmd, and ``jax.jit`` of it with the same shardings."""
-  mesh = get_mesh(MESH)
-  return (spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
-          jax.jit(fn, in_shardings=named(mesh, in_specs), out_shardings=named(mesh, out_specs)))
-
-
-def same(got: Any, want: Any, shardings: bool = True) -> None:
-  """Values within float32 sums' reordering; with ``shardings``, jax.jit's output shardings."""
-  assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
-  if shardings:
-    assert_like_jit(got, want)
 
 
 def mlp(x, w):

@@ -23,18 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from helpers import (Cases, assert_like_jit, assert_trees_match, check_committed, check_jit, check_plan,
-                     get_mesh, named, randn)
+                     get_mesh, named, randn, spd)
 
 CASES = Cases()  # functions of no arguments, or pytest.params of one
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
 case = CASES.register
-
-
-def spd(batch: int, n: int, seed: int = 0) -> np.ndarray:
-  """A batch of well-conditioned symmetric positive definite matrices."""
-  a = randn(batch, n, n, seed=seed)
-  return a @ a.transpose(0, 2, 1) + n * np.eye(n, dtype=np.float32)
 
 
 # --- explicit and mixed meshes ----------------------------------------------------------------

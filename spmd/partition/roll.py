@@ -151,10 +151,6 @@ def _piece(v: Value, d: int, at: int, producer: dict[Value, Op]) -> _Piece | Non
   x = op.inputs[0]
   if any(m != n for e, (m, n) in enumerate(zip(v.shape, x.shape)) if e != d):
     return None
-  if op.eqn.primitive is lax.slice_p and all(s == 1 for s in op.params["strides"] or ()):
-    start = op.params["start_indices"][d]
-  elif op.eqn.primitive is lax.split_p and op.params["axis"] == d:
-    start = sum(op.params["sizes"][:op.outputs.index(v)])
-  else:
+  if op.eqn.primitive is not lax.slice_p or any(s != 1 for s in op.params["strides"] or ()):
     return None
-  return _Piece(x, op.eqn.invars[0], start, v.shape[d], at)
+  return _Piece(x, op.eqn.invars[0], op.params["start_indices"][d], v.shape[d], at)

@@ -116,17 +116,6 @@ def stack(op: Op) -> OpShardingRule:
   return b.build([operand if isinstance(x, Value) else None for x in op.inputs], [result])
 
 
-def split(op: Op) -> OpShardingRule:
-  axis = op.params["axis"]
-  b = RuleBuilder()
-  shape = op.inputs[0].aval.shape
-  shared = {d: b.factor(n) for d, n in enumerate(shape) if d != axis}
-  operand = [shared.get(d) if d != axis else b.factor(n, PERM) for d, n in enumerate(shape)]
-  results = [[shared.get(d) if d != axis else b.factor(n, WHOLE) for d, n in enumerate(v.shape)]
-             for v in op.outputs]
-  return b.build([operand], results)
-
-
 def unstack(op: Op) -> OpShardingRule:
   """Result k is row k of the unstacked dim: that dim is whole on the operand, the others pass."""
   axis, shape = op.params["axis"], op.inputs[0].aval.shape
