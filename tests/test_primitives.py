@@ -539,6 +539,15 @@ def test_split(mesh, spec):
   assert_partitioned_matches(fn, (randn(8, 16),), (spec,), mesh)
 
 
+def test_split_of_a_sharded_dim_keeps_it_sharded():
+  """A split is one slice per piece, as JAX lowers it: each piece of a sharded dim is a halo of
+  the rows it needs (collective-permutes), sharded as jax.jit returns it; the split's own rule
+  gathered the dim (256 B per device) and returned the pieces replicated along it."""
+  plan = assert_partitioned_matches(lambda x: jnp.split(x, 2, axis=1), (randn(8, 16),),
+                                    P("a", "b"), "a2b4", like_jit=True)
+  assert plan.bytes_by_kind() == {"collective-permute": 128}, plan.explain()
+
+
 # --- gather and scatter --------------------------------------------------------------------------
 
 GATHER = [
