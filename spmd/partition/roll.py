@@ -144,7 +144,8 @@ def _zero_pad_dims(op: Op) -> set[int] | None:
 
 
 def _piece(v: Value, d: int, at: int, producer: dict[Value, Op]) -> _Piece | None:
-  """``v`` as a piece of a value along ``d`` (a ``slice`` with unit strides, or a ``split``)."""
+  """``v`` as a piece of a value along ``d`` (a ``slice`` with unit strides; a ``split`` is
+  inlined as slices)."""
   op = producer.get(v)
   if op is None:
     return None
