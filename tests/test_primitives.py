@@ -548,6 +548,17 @@ def test_split_of_a_sharded_dim_keeps_it_sharded():
   assert plan.bytes_by_kind() == {"collective-permute": 128}, plan.explain()
 
 
+def test_concatenate_of_a_broadcast_zero_and_a_piece():
+  """The gradient of a split whose other pieces go unused concatenates broadcasts of a literal
+  zero around the used piece's cotangent; looking for a roll, roll.py read the broadcast's literal
+  operand as an array ('Literal' object has no attribute 'shape')."""
+  def fn(x):
+    return jax.grad(lambda x: (jnp.split(x, 4, axis=1)[1] ** 2).sum())(x), jnp.concatenate(
+        [jnp.zeros((8, 4)), x[:, :12]], axis=1)
+
+  assert_partitioned_matches(fn, (randn(8, 16),), P("a", "b"), "a2b4", like_jit=True)
+
+
 # --- gather and scatter --------------------------------------------------------------------------
 
 GATHER = [

@@ -147,11 +147,10 @@ def _piece(v: Value, d: int, at: int, producer: dict[Value, Op]) -> _Piece | Non
   """``v`` as a piece of a value along ``d`` (a ``slice`` with unit strides; a ``split`` is
   inlined as slices)."""
   op = producer.get(v)
-  if op is None:
-    return None
+  if op is None or op.eqn.primitive is not lax.slice_p or any(
+      s != 1 for s in op.params["strides"] or ()):
+    return None  # (another producer's operand may be a literal: a broadcast of a zero)
   x = op.inputs[0]
   if any(m != n for e, (m, n) in enumerate(zip(v.shape, x.shape)) if e != d):
-    return None
-  if op.eqn.primitive is not lax.slice_p or any(s != 1 for s in op.params["strides"] or ()):
     return None
   return _Piece(x, op.eqn.invars[0], op.params["start_indices"][d], v.shape[d], at)
