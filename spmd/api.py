@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.interpreters import partial_eval
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -260,6 +261,10 @@ class Partitioned:
       compiled, leaves = self._compile(args)
       # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
       if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        if _only_partial_eval(leaves):
+          # jax.linear_transpose traces the call with unknown inputs, and has no transpose
+          # for a custom_vjp: JAX's own rules transpose the partitioned program.
+          return compiled.outputs(self._run_traced(compiled, compiled.traced, leaves))
         try:
           return compiled.outputs(self._run_traced(compiled, compiled.call, leaves))
         except TypeError as e:
@@ -937,6 +942,13 @@ def _weak_types(leaves: Sequence[Any]) -> tuple[bool, ...]:
 
 def _committed(leaf: Any) -> bool:
   return getattr(leaf, "committed", False)
+
+
+def _only_partial_eval(leaves: Sequence[Any]) -> bool:
+  """Whether every traced leaf is a partial-evaluation tracer, as jax.linear_transpose traces
+  a function (jax.grad, jax.vjp and jax.jvp reach the call with JVP or linearize tracers)."""
+  traced = [leaf for leaf in leaves if isinstance(leaf, jax.core.Tracer)]
+  return all(isinstance(leaf, partial_eval.JaxprTracer) for leaf in traced)
 
 
 def _refuses_forward_mode(e: TypeError) -> bool:
