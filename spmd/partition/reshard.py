@@ -21,8 +21,11 @@ counts is what the program moves.
 
 Uneven dims (size N not divisible by the shard count n) are held padded: shard k has rows
 [k*S, (k+1)*S), S = ceil(N/n), rows past N are padding. A step that regroups shards is only
-taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise the dim is gathered whole
-(padding dropped) and sliced again in one step (padded to n*S first).
+taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise a dim keeping its first axes
+realigns its blocks to the kept ones by collective-permutes and gathers the rest (``Realign``),
+and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
+first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
+collective-permute of whole blocks (``TradeBlocks``).
 """
 from __future__ import annotations
 
@@ -183,18 +186,56 @@ class CollectivePermute(ReshardStep):
     return tuple(a for a in after if a in moving)
 
 
+def _block(order: Sequence[str], coords: dict[str, int], mesh: MeshShape) -> int:
+  """The block of a dim split over ``order`` that the device at ``coords`` holds."""
+  return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
+
+
 def _reorder_pairs(before: Sequence[str], after: Sequence[str],
                    mesh: MeshShape) -> list[tuple[int, int]]:
   """(source, target) blocks of a reorder of one dim's axes, linearized in ``before``'s order:
   the device at a block's place in ``after``'s order gets it from its place in ``before``'s."""
-  def block(order: Sequence[str], coords: dict[str, int]) -> int:
-    return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
-
   out = []
   for idx in itertools.product(*(range(mesh[a]) for a in before)):
     coords = dict(zip(before, idx))
-    out.append((block(after, coords), block(before, coords)))
+    out.append((_block(after, coords, mesh), _block(before, coords, mesh)))
   return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TradeBlocks(ReshardStep):
+  """Mesh axes ``axes`` trade places among dims while every dim keeps its number of blocks
+  (P('c', 'b', 'a') -> P('a', 'b', 'c') on a 2x2x2 mesh): each device takes the whole block it
+  needs from the one device holding it, in one collective-permute (XLA's device permutation)."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    pairs = []
+    for idx in itertools.product(*(range(mesh[a]) for a in self.axes)):
+      target = dict(zip(self.axes, idx))
+      source: dict[str, int] = {}
+      for have, want in zip(self.before.dims, self.after.dims):
+        if have:
+          block = _block(want, target, mesh)
+          source.update(zip(have, np.unravel_index(block, [mesh[a] for a in have])))
+      pairs.append((_block(self.axes, source, mesh), _block(self.axes, target, mesh)))
+    return permute(x, self.axes, pairs, mesh)
+
+
+def _traded_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
+                   itemsize: int, mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` as one ``TradeBlocks`` where that applies: no partial sums, the same mesh
+  axes in use, each dim split into as many blocks before as after; else None."""
+  count = lambda axes: math.prod(mesh[a] for a in axes)  # noqa: E731
+  used = [a for d in src.dims for a in d]
+  if (src == dst or src.partial or dst.partial
+      or sorted(used) != sorted(a for d in dst.dims for a in d)
+      or any(count(h) != count(w) for h, w in zip(src.dims, dst.dims))):
+    return None
+  axes = tuple(a for a in mesh if a in used)
+  return (TradeBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
+                      mesh=mesh),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +250,53 @@ class SwapAxes(ReshardStep):
     n = mesh[self.axes[0]]
     return permute(x, self.axes, [(i * n + j, j * n + i) for i in range(n) for j in range(n)],
                    mesh)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Realign(ReshardStep):
+  """An uneven ``dim`` split over ``axes`` that keeps its first ``kept`` axes and is about to
+  gather the rest (the next step): each device takes the rows at its place in the coarser
+  tiling, block j of kept block k starting at k*S + j*s rather than (k*L + j)*s (S, s the two
+  block sizes, L the gathered blocks), cut from at most two neighbouring blocks by
+  collective-permutes, so that gathering the rest gives the kept blocks, as XLA realigns uneven
+  tiles, rather than gathering the dim whole. The sharding's name does not change (``after`` ==
+  ``before``): only the gather after it reads the realigned rows."""
+
+  kind: ClassVar[str] = "collective-permute"
+  kept: int
+
+  def moves(self, n: int, mesh: MeshShape) -> list[tuple[int, int, int]]:
+    """(k, q, m) per kept block k whose rows shift by q*s + m (0 <= m < s): its devices take the
+    last m rows of the block q+1 before their own and the first s-m rows of the one q before."""
+    big, rest = self.count(mesh) // self._lost(mesh), self._lost(mesh)
+    s, shift = _shard(n, big * rest), rest * _shard(n, big * rest) - _shard(n, big)
+    return [(k, *divmod(k * shift, s)) for k in range(1, big) if k * shift]
+
+  def _lost(self, mesh: MeshShape) -> int:
+    return math.prod(mesh[a] for a in self.axes[self.kept:])
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    """One buffer of all the rows its permutes move (their bytes summed)."""
+    local = list(self.before.local_shape(shape, mesh))
+    s = local[self.dim]
+    local[self.dim] = sum(m + (s - m if q else 0) for _, q, m in self.moves(shape[self.dim], mesh))
+    return local, local
+
+  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    d, rest = self.dim, self._lost(mesh)
+    s, out = x.shape[d], x
+    block = shard_index(self.axes[:self.kept])
+    for k, q, m in self.moves(shape[d], mesh):
+      targets = range(k * rest, (k + 1) * rest)
+      send = lambda piece, back: permute(piece, self.axes, [(t - back, t) for t in targets], mesh)
+      head = lax.slice_in_dim(x, 0, s - m, axis=d)
+      parts = [send(lax.slice_in_dim(x, s - m, s, axis=d), q + 1)] if m else []
+      parts.append(send(head, q) if q else head)
+      out = jnp.where(block == k, jnp.concatenate(parts, d) if m else parts[0], out)
+    return out
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    raise NotImplementedError("Realign needs the dim's size: see apply")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -262,15 +350,18 @@ def gathers_exactly(n: int, count: int, k: int) -> bool:
 
 def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                  mesh: MeshShape) -> tuple[ReshardStep, ...]:
-  """The steps from ``src`` to ``dst``: the cheaper of the plan that gathers an axis it cannot
-  move straight to the dim that wants it next, and the plan that parks such an axis in the dim
+  """The steps from ``src`` to ``dst``: the cheapest of the plan that gathers an axis it cannot
+  move straight to the dim that wants it next, the plan that parks such an axis in the dim
   that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
-  axes between dims by all-to-alls rather than gathering them."""
-  direct = _plan_reshard(src, dst, shape, itemsize, mesh, park=False)
-  if not any(isinstance(s, AllGather) for s in direct):
-    return direct
-  parked = _plan_reshard(src, dst, shape, itemsize, mesh, park=True)
-  return min((direct, parked), key=lambda steps: sum(s.bytes for s in steps))
+  axes between dims by all-to-alls rather than gathering them, and, where axes only trade
+  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``)."""
+  options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
+  if any(isinstance(s, AllGather) for s in options[0]):
+    options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
+  traded = _traded_blocks(src, dst, shape, itemsize, mesh)
+  if traded is not None:
+    options.append(traded)
+  return min(options, key=lambda steps: sum(s.bytes for s in steps))
 
 
 def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
@@ -328,11 +419,19 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
       emit(SwapAxes, swap, lambda d=d, want=want: dims[d].__setitem__(slice(None), list(want)),
            dim=d)
 
-  # Uneven dims whose blocks do not nest between source and target are gathered whole first.
+  # Uneven dims whose blocks do not nest between source and target are gathered whole first,
+  # except the axes a dim keeps in front where the blocks they make split exactly into the
+  # target's: its blocks are realigned to theirs and the rest gathered.
   for d, want in enumerate(target):
     have = dims[d]
     if have and want != have and not _nests(shape[d], have, want, mesh):
-      emit(AllGather, list(have), lambda d=d: dims[d].clear(), dim=d)
+      kept = _common_prefix(have, want)
+      if kept == len(have) or not splits_exactly(shape[d], count(have[:kept]), count(want[kept:])):
+        kept = 0
+      if kept:
+        emit(Realign, list(have), lambda: None, dim=d, kept=kept)
+      emit(AllGather, list(have[kept:]), lambda d=d, kept=kept: dims[d].__delitem__(
+          slice(kept, None)), dim=d)
 
   def used() -> set[str]:
     return {a for d in dims for a in d}
@@ -500,9 +599,15 @@ def _nests(n: int, have: Sequence[str], want: Sequence[str], mesh: MeshShape) ->
   counts = [math.prod(mesh[a] for a in axes) for axes in (have, want)]
   if all(n % c == 0 for c in counts):
     return True
-  common = 0
-  while common < min(len(have), len(want)) and have[common] == want[common]:
-    common += 1
+  common = _common_prefix(have, want)
   base = math.prod(mesh[a] for a in have[:common])
   return (gathers_exactly(n, counts[0], counts[0] // base)
           and splits_exactly(n, base, counts[1] // base))
+
+
+def _common_prefix(have: Sequence[str], want: Sequence[str]) -> int:
+  """How many leading axes ``have`` and ``want`` share."""
+  common = 0
+  while common < min(len(have), len(want)) and have[common] == want[common]:
+    common += 1
+  return common
