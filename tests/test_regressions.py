@@ -239,6 +239,17 @@ def test_an_add_reading_a_calls_literal_argument():
   assert_partitioned_matches(f, (x,), (P("a", None),), "a2b4")
 
 
+def test_a_concatenated_piece_broadcast_from_a_literal():
+  """A concatenate's operand made by broadcasting a literal (``jnp.zeros((1,))``, or a
+  dynamic_slice's start indices): the roll recognizer (roll.py) read the shape of that
+  producer's operand, a literal, before checking the producer is a slice. (Found in flax's
+  gemma sampler, its attention mask's dynamic_slice at a traced step.)"""
+  def f(x):
+    return jnp.concatenate([jnp.zeros((1,)), x[1:]])
+
+  assert_partitioned_matches(f, (np.arange(8.0, dtype=np.float32),), (P("x"),), "x8")
+
+
 def test_a_mesh_axis_of_size_one_splits_nothing():
   """Logical rules map names to a mesh axis that may have size 1 (flax's rules on an 8x1 mesh):
   a value moved between dims over it was an all-to-all the plan counted and XLA deletes (a

@@ -148,13 +148,13 @@ def _piece(v: Value, d: int, at: int, producer: dict[Value, Op]) -> _Piece | Non
   op = producer.get(v)
   if op is None:
     return None
-  x = op.inputs[0]
-  if any(m != n for e, (m, n) in enumerate(zip(v.shape, x.shape)) if e != d):
-    return None
   if op.eqn.primitive is lax.slice_p and all(s == 1 for s in op.params["strides"] or ()):
     start = op.params["start_indices"][d]
   elif op.eqn.primitive is lax.split_p and op.params["axis"] == d:
     start = sum(op.params["sizes"][:op.outputs.index(v)])
-  else:
+  else:  # (read before the operand's shape: another producer's operand may be a literal)
+    return None
+  x = op.inputs[0]
+  if any(m != n for e, (m, n) in enumerate(zip(v.shape, x.shape)) if e != d):
     return None
   return _Piece(x, op.eqn.invars[0], start, v.shape[d], at)
