@@ -483,11 +483,17 @@ class Partitioned:
     unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), self._rules.context():
       try:
-        closed = self._trace_typed(flat_fun, avals, given, arrivals)
+        closed, refusal = self._trace_typed(flat_fun, avals, given, arrivals)
         if closed is not None:
           return closed, tuple(NamedSharding(self.mesh, a.sharding.spec)
                                for a in closed.out_avals)
-        return jax.make_jaxpr(flat_fun)(*unsharded), None
+        try:
+          return jax.make_jaxpr(flat_fun)(*unsharded), None
+        except Exception as untyped:  # noqa: BLE001
+          if refusal is None:
+            raise
+          # jax.jit's error: values typed by out_sharding= mix with untyped ones in the fallback
+          raise refusal from untyped
       except Exception as e:  # noqa: BLE001 (JAX's spec checks raise more than ValueError)
         clearer = restate_spec_error(e, self._mesh_shape) or restate_unbound_axis(e)
         if clearer is None:
@@ -586,23 +592,24 @@ class Partitioned:
     return [g if g is not None else boxed for g, boxed in zip(given, box_specs(dyn))]
 
   def _trace_typed(self, flat_fun: Callable, avals: tuple, given: tuple,
-                   arrivals: tuple) -> Any:
+                   arrivals: tuple) -> tuple[Any, Exception | None]:
     """On a mesh with Explicit axes, the function's jaxpr as ``jax.jit`` traces it for arguments
     committed as their specs say (else as they are committed): their types carry the
     shardings, so ``jax.typeof`` inside, the shardings JAX infers into the ops' params and the
     outputs' types are jax.jit's. None where the mesh has no Explicit axis or JAX's typing
     refuses the function (contracting dims sharded alike without ``out_sharding=``, an uneven
-    spec): spmd then traces it untyped and partitions it all the same."""
+    spec): spmd then traces it untyped and partitions it all the same. With it, the refusal
+    (jax.jit's error), or None."""
     if AxisType.Explicit not in self.mesh.axis_types:
-      return None
+      return None, None
     try:
       typed = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
                                     sharding=None if s is None else
                                     NamedSharding(self.mesh, s.to_spec()))
                for a, g, r in zip(avals, given, arrivals) for s in [g if g is not None else r]]
-      return jax.make_jaxpr(flat_fun)(*typed)
-    except Exception:  # noqa: BLE001 (JAX's typing raises several kinds)
-      return None
+      return jax.make_jaxpr(flat_fun)(*typed), None
+    except Exception as refusal:  # noqa: BLE001 (JAX's typing raises several kinds)
+      return None, refusal
 
   def _out_requests(self, out_tree: Any, program: Any,
                     types: tuple[NamedSharding, ...] | None

@@ -112,6 +112,27 @@ def explicit_contraction_jax_refuses_spmd_runs():
 
 
 @case
+def explicit_refusal_is_jax_jits_error():
+  """JAX's typing refuses a scatter along a sharded dim, and spmd's untyped trace fails too (the
+  einsum's out_sharding= types its result, the cache untyped): the error is jax.jit's, not the
+  untyped trace's dynamic_update_slice mismatch (examples/gemma's sampler, forbidden tokens
+  masked in vocab-sharded logits)."""
+  mesh = explicit_mesh()
+
+  def f(x, w, cache):
+    y = jnp.einsum("ij,jk->ik", x, w, out_sharding=P("x", "y"))
+    return lax.dynamic_update_slice(cache, y, (0, 0)).at[:, jnp.array([1, 3])].set(0.0)
+
+  args = tuple(jax.device_put(a, NamedSharding(mesh, s))
+               for a, s in ((W, P("x")), (X, P()), (randn(16, 16), P("x", "y"))))
+  with jax.set_mesh(mesh):
+    for g in (jax.jit(f), spmd.partition(f, mesh=mesh)):
+      with pytest.raises(Exception,
+                         match=r"\.at\[\.\.\.\]\.set.*out_sharding"):
+        g(*args)
+
+
+@case
 def explicit_under_set_mesh():
   """Called inside ``with jax.set_mesh(mesh)`` (explicit-mode code runs there): the program over
   the mesh's Auto twin ran into JAX's check that a shard_map's mesh is the context mesh (and
