@@ -254,22 +254,24 @@ class SwapAxes(ReshardStep):
 
 @dataclass(frozen=True, kw_only=True)
 class Realign(ReshardStep):
-  """An uneven ``dim`` split over ``axes`` that keeps its first ``kept`` axes and is about to
-  gather the rest (the next step): each device takes the rows at its place in the coarser
-  tiling, block j of kept block k starting at k*S + j*s rather than (k*L + j)*s (S, s the two
-  block sizes, L the gathered blocks), cut from at most two neighbouring blocks by
+  """An uneven ``dim`` of ``size`` rows split over ``axes`` that keeps its first ``kept`` axes and
+  is about to gather the rest (the next step): each device takes the rows at its place in the
+  coarser tiling, block j of kept block k starting at k*S + j*s rather than (k*L + j)*s (S, s the
+  two block sizes, L the gathered blocks), cut from at most two neighbouring blocks by
   collective-permutes, so that gathering the rest gives the kept blocks, as XLA realigns uneven
   tiles, rather than gathering the dim whole. The sharding's name does not change (``after`` ==
   ``before``): only the gather after it reads the realigned rows."""
 
   kind: ClassVar[str] = "collective-permute"
   kept: int
+  size: int
 
-  def moves(self, n: int, mesh: MeshShape) -> list[tuple[int, int, int]]:
+  def moves(self, mesh: MeshShape) -> list[tuple[int, int, int]]:
     """(k, q, m) per kept block k whose rows shift by q*s + m (0 <= m < s): its devices take the
     last m rows of the block q+1 before their own and the first s-m rows of the one q before."""
     big, rest = self.count(mesh) // self._lost(mesh), self._lost(mesh)
-    s, shift = _shard(n, big * rest), rest * _shard(n, big * rest) - _shard(n, big)
+    s = _shard(self.size, big * rest)
+    shift = rest * s - _shard(self.size, big)
     return [(k, *divmod(k * shift, s)) for k in range(1, big) if k * shift]
 
   def _lost(self, mesh: MeshShape) -> int:
@@ -279,14 +281,19 @@ class Realign(ReshardStep):
     """One buffer of all the rows its permutes move (their bytes summed)."""
     local = list(self.before.local_shape(shape, mesh))
     s = local[self.dim]
-    local[self.dim] = sum(m + (s - m if q else 0) for _, q, m in self.moves(shape[self.dim], mesh))
+    local[self.dim] = sum(m + (s - m if q else 0) for _, q, m in self.moves(mesh))
     return local, local
 
   def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    """``run`` on the local block as it is: the block keeps its shape, and ``buffers`` price the
+    rows the permutes move, not a buffer to pad the block to."""
+    return self.run(x, mesh)
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     d, rest = self.dim, self._lost(mesh)
     s, out = x.shape[d], x
     block = shard_index(self.axes[:self.kept])
-    for k, q, m in self.moves(shape[d], mesh):
+    for k, q, m in self.moves(mesh):
       targets = range(k * rest, (k + 1) * rest)
       send = lambda piece, back: permute(piece, self.axes, [(t - back, t) for t in targets], mesh)
       head = lax.slice_in_dim(x, 0, s - m, axis=d)
@@ -294,9 +301,6 @@ class Realign(ReshardStep):
       parts.append(send(head, q) if q else head)
       out = jnp.where(block == k, jnp.concatenate(parts, d) if m else parts[0], out)
     return out
-
-  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    raise NotImplementedError("Realign needs the dim's size: see apply")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,8 +384,8 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
 
   def emit(step: type[ReshardStep], axes: Sequence[str], change: Callable[[], Any],
            **where: int) -> None:
-    """Appends a ``step`` over ``axes`` acting on the dims ``where`` names; ``change`` makes it
-    in the working sharding."""
+    """Appends a ``step`` over ``axes`` with the fields ``where`` gives (the dims it acts on);
+    ``change`` makes it in the working sharding."""
     before = cur()
     change()
     steps.append(step(axes=tuple(axes), before=before, after=cur(), shape=shape,
@@ -429,7 +433,7 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
       if kept == len(have) or not splits_exactly(shape[d], count(have[:kept]), count(want[kept:])):
         kept = 0
       if kept:
-        emit(Realign, list(have), lambda: None, dim=d, kept=kept)
+        emit(Realign, list(have), lambda: None, dim=d, kept=kept, size=shape[d])
       emit(AllGather, list(have[kept:]), lambda d=d, kept=kept: dims[d].__delitem__(
           slice(kept, None)), dim=d)
 
