@@ -23,7 +23,7 @@ from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
-from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 from spmd.partition.wire import Wire
 
 Price = Callable[[Value, TensorSharding], int]  # bytes to make a value available as a sharding
@@ -56,7 +56,7 @@ class Execution:
     elements = math.prod(n for n, dim in zip(self.produces[0].local_shape(result.shape, mesh),
                                              factors)  # a cumulative op gathers its totals
                          if not any(rule.kinds[f] is FactorKind.REDUCTION for f in dim))
-    return elements * _count(self.partial_axes, mesh) * sum(wire(d) for d in rule.gathers)
+    return elements * axes_size(self.partial_axes, mesh) * sum(wire(d) for d in rule.gathers)
 
   def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
@@ -202,13 +202,14 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
 def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] | None:
   """The exchanges a sharded windowed dim needs; None if gathering it moves no more."""
   if w.mode == "scatter":
-    planned = plan_scatter_halos(w.dim, axes, w.window, _count(axes, mesh))
+    planned = plan_scatter_halos(w.dim, axes, w.window, axes_size(axes, mesh))
     return None if planned is None else planned[:2]
   if w.mode == "rotate":
-    return (plan_rotation(w.operand, w.dim, axes, w.window.size, _count(axes, mesh), w.window.lo),)
+    return (plan_rotation(w.operand, w.dim, axes, w.window.size, axes_size(axes, mesh),
+                          w.window.lo),)
   if w.mode == "reverse":
-    return plan_reversal(w.operand, w.dim, axes, w.window.size, _count(axes, mesh))
-  halo = plan_window(w.operand, w.dim, axes, w.window, _count(axes, mesh))
+    return plan_reversal(w.operand, w.dim, axes, w.window.size, axes_size(axes, mesh))
+  halo = plan_window(w.operand, w.dim, axes, w.window, axes_size(axes, mesh))
   return None if halo is None else (halo,)
 
 
@@ -285,10 +286,6 @@ def _each_operands_layout(c: Constraint, shardings: Mapping[Value, TensorShardin
       out.append({**from_operands, **{f: cands for f, cands in own.items()
                                       if any(a for _, a in cands)}})
   return out
-
-
-def _count(axes: Axes, mesh: MeshShape) -> int:
-  return math.prod(mesh[a] for a in axes)
 
 
 def _projections(values, tensors, shardings, rule: OpShardingRule,

@@ -30,6 +30,7 @@ collective-permute of whole blocks (``TradeBlocks``).
 from __future__ import annotations
 
 import abc
+import functools
 import itertools
 import math
 from dataclasses import InitVar, dataclass, field
@@ -41,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from spmd.partition.devices import permute, shard_index
-from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 
 Shape = Sequence[int]
 
@@ -227,11 +228,10 @@ def _traded_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int
                    itemsize: int, mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` as one ``TradeBlocks`` where that applies: no partial sums, the same mesh
   axes in use, each dim split into as many blocks before as after; else None."""
-  count = lambda axes: math.prod(mesh[a] for a in axes)  # noqa: E731
   used = [a for d in src.dims for a in d]
   if (src == dst or src.partial or dst.partial
       or sorted(used) != sorted(a for d in dst.dims for a in d)
-      or any(count(h) != count(w) for h, w in zip(src.dims, dst.dims))):
+      or any(axes_size(h, mesh) != axes_size(w, mesh) for h, w in zip(src.dims, dst.dims))):
     return None
   axes = tuple(a for a in mesh if a in used)
   return (TradeBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
@@ -375,8 +375,7 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
   partial = [a for a in src.partial if a not in dst.partial]
   target = [list(d) for d in dst.dims]
 
-  def count(axes: Sequence[str]) -> int:
-    return math.prod(mesh[a] for a in axes)
+  count = functools.partial(axes_size, mesh_shape=mesh)
 
   def cur() -> TensorSharding:
     left = tuple(a for a in src.partial if a in partial or a in dst.partial)
@@ -538,7 +537,7 @@ def _park(dims: list[list[str]], target: Sequence[Sequence[str]], shape: Sequenc
   """Moves the longest run of minor axes of a dim that another dim wants (not next: behind
   axes of its own that leave later) there by an all-to-all; whether one moved. Each move puts
   axes in their target dim, which they never leave again, so parking ends."""
-  count = lambda axes: math.prod(mesh[a] for a in axes)  # noqa: E731
+  count = functools.partial(axes_size, mesh_shape=mesh)
   for i in range(len(dims)):
     for k in range(len(dims[i]), 0, -1):
       run = dims[i][-k:]

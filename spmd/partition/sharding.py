@@ -11,6 +11,11 @@ Axes = tuple[str, ...]
 MeshShape = Mapping[str, int]
 
 
+def axes_size(axes: Sequence[str], mesh_shape: MeshShape) -> int:
+  """Devices along ``axes``: the blocks a dim split over them has."""
+  return math.prod(mesh_shape[a] for a in axes)
+
+
 @dataclass(frozen=True)
 class TensorSharding:
   """Mesh axes per dimension (major to minor) and pending partial-sum axes.
@@ -68,7 +73,7 @@ class TensorSharding:
     return P(*(None if not d else d[0] if len(d) == 1 else d for d in self.dims))
 
   def shards(self, dim: int, mesh_shape: MeshShape) -> int:
-    return math.prod(mesh_shape[a] for a in self.dims[dim])
+    return axes_size(self.dims[dim], mesh_shape)
 
   def local_shape(self, shape: Sequence[int], mesh_shape: MeshShape) -> tuple[int, ...]:
     """Per-device shape; uneven dims round up (the last shards are padded)."""
