@@ -7,7 +7,10 @@ where the program is lowered (``const_arrays``), which XLA folds; nothing runs w
 
 As in XLA, broadcasts stay ops (cheap to make, large to hold) yet count as constants for the ops
 reading them, iotas are not constants, and nothing larger than XLA's bound is folded. An op whose
-results hold no elements is an empty constant whatever it reads (XLA's simplifier replaces it). An
+results hold no elements is an empty constant whatever it reads (XLA's simplifier replaces it), and
+a program input holding no elements counts as a constant for the ops reading it: a sum of it is its
+init value, which XLA folds and jax.jit returns replicated (read inside the shard_map, empty
+operands were all dropped by XLA, which then refused the manual computation). An
 identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
 and its result counts as a constant too.
 Only the top-level program is folded; in region bodies only the ops with empty results are.
@@ -55,7 +58,8 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
         v.const = Folded(makers)
         folded.append(v)
       continue
-    if not all(not isinstance(x, Value) or x.const is not None or x in makers for x in op.inputs):
+    if not all(not isinstance(x, Value) or x.const is not None or x.size == 0 or x in makers
+               for x in op.inputs):
       kept.append(op)
       continue
     if op.primitive in _KEPT or _is_identity(op):
@@ -125,9 +129,9 @@ def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
     if not isinstance(x, Value):
       return np.asarray(x.val, dtype=x.aval.dtype)
     if x not in env:
-      if x not in makers:
+      if x not in makers and x.size:
         env[x] = x.const
-      elif _empty(makers[x]):
+      elif x not in makers or _empty(makers[x]):
         env[x] = jnp.zeros(x.aval.shape, x.aval.dtype)  # made in the program: no 0-size operand
       else:
         op = makers[x]
