@@ -121,6 +121,19 @@ def cumlogsumexp_and_cummin_in_bfloat16_reversed_along_a_sharded_dim():
   check_jit(f, (BF,), P("a", "b"), MESH, P("a", "b"))
 
 
+@case
+def lax_ops_along_an_uneven_sharded_dim_in_three_dtypes():
+  """Dim 1 of 10 over 'b' (4 shards): a two-key sort, top_k of bf16, a negative pad and a
+  dynamic slice at a traced start of int32."""
+  x, k, i = randn(4, 10), ints(4, 10, high=3), ints(4, 10, seed=1)
+
+  def f(x, k, i, start):
+    return (lax.sort((k, x), dimension=1, num_keys=2), lax.top_k(x.astype(jnp.bfloat16), 2),
+            lax.pad(x, 0.0, ((0, 0, 0), (-2, 3, 0))), lax.dynamic_slice_in_dim(i, start, 4, 1))
+  assert_partitioned_matches(f, (x, k, i, jnp.int32(5)), (P("a", "b"), P("a", "b"), P(None, "b"),
+                                                          P()), MESH)
+
+
 # --- jnp reducers ---------------------------------------------------------------------------------
 
 @case
