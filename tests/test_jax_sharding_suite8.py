@@ -195,6 +195,26 @@ def mean_of_an_uneven_dim_with_where_over_both_axes():
                              P("a", "b"), MESH)
 
 
+@case
+def lexsort_and_partition_along_a_sharded_dim():
+  def f(k, x):
+    return jnp.lexsort((x, k), axis=1), jnp.partition(x, 4, axis=1)
+  check_jit(f, (ints(8, 16, high=3), X), P("a", "b"), MESH, P("a", "b"))
+
+
+@case
+def cov_and_corrcoef_of_observations_sharded_along_both_dims():
+  check_jit(lambda x: (jnp.cov(x), jnp.corrcoef(x, rowvar=False)), (X,), P("a", "b"), MESH)
+
+
+@case
+def trapezoid_and_ravel_multi_index_of_sharded_operands():
+  def f(y, i, j):
+    return jnp.trapezoid(y, dx=0.5, axis=1), jnp.ravel_multi_index((i, j), (8, 16), mode="clip")
+  check_jit(f, (X, indices(8, 32), indices(16, 32, seed=1)), (P("a", "b"), P("b"), P("b")),
+            MESH)
+
+
 # --- einsum forms and tensor products -------------------------------------------------------------
 
 @case
