@@ -215,6 +215,17 @@ def trapezoid_and_ravel_multi_index_of_sharded_operands():
             MESH)
 
 
+@case
+def reducers_along_uneven_sharded_dims_in_three_dtypes():
+  """Dims of 6 and 10 over 'a' and 'b': nanvar of bf16, a median, int32 cumsum and cummax."""
+  x = np.where(randn(6, 10, seed=6) > 1.0, np.nan, randn(6, 10)).astype(jnp.bfloat16)
+
+  def f(x, i):
+    return jnp.nanvar(x, axis=1), jnp.median(i.astype(jnp.float32), axis=0), jnp.cumsum(i, 1), \
+        lax.cummax(i, 0)
+  assert_partitioned_matches(f, (x, ints(6, 10)), P("a", "b"), MESH)
+
+
 # --- einsum forms and tensor products -------------------------------------------------------------
 
 @case
@@ -228,6 +239,11 @@ def einsum_with_an_ellipsis_over_sharded_batch_dims():
 def einsum_trace_and_diagonal_of_a_matrix_sharded_both_ways():
   a = randn(8, 8)
   check_jit(lambda a: (jnp.einsum("ii->", a), jnp.einsum("ii->i", a)), (a,), P("a", "b"), MESH)
+
+
+@case
+def einsum_diagonal_of_a_batch_with_the_output_transposed():
+  check_jit(lambda x: jnp.einsum("iij->ji", x), (randn(8, 8, 4),), P("a", "b"), MESH)
 
 
 @case
@@ -333,6 +349,20 @@ def at_min_max_mul_and_get_fill_with_a_sharded_indexed_dim():
 def integer_array_indexing_of_an_uneven_sharded_dim():
   i = indices(10, 4)
   assert_partitioned_matches(lambda x, i: x[i] * 2, (randn(10, 8), i), (P("b"), P()), MESH)
+
+
+@case
+def indexing_along_an_uneven_sharded_dim():
+  """Dim 1 of 10 over 'b': a filled get at out-of-bounds and negative columns, a sized where, a
+  scatter-add of repeated columns and a dynamic update at a traced start."""
+  cols, rows = np.array([-1, 3, 9, 12], np.int32), indices(10, 6)
+
+  def f(x, u, start):
+    return (x.at[:, cols].get(mode="fill", fill_value=-1.0), jnp.where(x[0] > 0, size=7,
+                                                                        fill_value=-1),
+            x.T.at[rows].add(u), lax.dynamic_update_slice_in_dim(x, u[:3].T, start, 1))
+  assert_partitioned_matches(f, (randn(4, 10), randn(6, 4, seed=1), jnp.int32(6)),
+                             (P("a", "b"), P(), P()), MESH)
 
 
 # --- pjit's argument and output forms -------------------------------------------------------------
