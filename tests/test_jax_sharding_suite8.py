@@ -409,6 +409,20 @@ def zero_size_arrays_with_sharded_specs():
 
 
 @case
+def zero_size_arrays_read_in_cond_and_loop_bodies():
+  """A body's results computed from empty arrays alone are constants too: spmd returned them
+  sharded, and XLA refused the program whose loop body read both empty arguments."""
+  def f(x, y, p):
+    inner = lax.cond(p, lambda: (x.sum(0), y.sum(1)),
+                     lambda: (x.max(0, initial=0.0), y.sum(1) + 1))
+    looped = lax.fori_loop(0, 3, lambda i, c: (c[0] + x.sum(0), c[1] + y.sum(1)),
+                           (jnp.zeros(8), jnp.zeros(8, jnp.int32)))
+    return inner, looped
+  check_jit(f, (np.zeros((0, 8), np.float32), np.zeros((8, 0), np.int32), True),
+            (P(None, "b"), P("a"), P()), MESH)
+
+
+@case
 def scalar_outputs_with_out_specs_replicated():
   def f(x, i):
     return x.sum(), (i * i).max(), jnp.float32(2.0)
@@ -421,8 +435,8 @@ def scalar_outputs_with_out_specs_replicated():
 def open_outputs_of_top_k_variadic_reduce_and_prod_along_a_sharded_dim():
   def f(x):
     idx = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return (lax.top_k(x, 3)[0], lax.reduce((x, idx), (-jnp.inf, jnp.int32(0)), _argmax_pair, (1,))[1],
-            jnp.prod(x, axis=1))
+    first = lax.reduce((x, idx), (-jnp.inf, jnp.int32(0)), _argmax_pair, (1,))[1]
+    return lax.top_k(x, 3)[0], first, jnp.prod(x, axis=1)
   check_jit(f, (X,), P("a", "b"), MESH)
 
 

@@ -13,7 +13,8 @@ init value, which XLA folds and jax.jit returns replicated (read inside the shar
 operands were all dropped by XLA, which then refused the manual computation). An
 identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
 and its result counts as a constant too.
-Only the top-level program is folded; in region bodies only the ops with empty results are.
+Only the top-level program is folded; in region bodies only the ops with empty results, or
+reading nothing but empty values, are.
 """
 from __future__ import annotations
 
@@ -77,14 +78,15 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
 
 
 def fold_region_empties(ops: list[Op]) -> list[Value]:
-  """Folds the ops with empty results in the bodies of ``ops``' regions (at any depth), as
-  ``fold_constants`` does at the top level, and returns their values: they read nothing."""
+  """Folds the ops with empty results, or reading only empty values, in the bodies of ``ops``'
+  regions (at any depth), as ``fold_constants`` does at the top level, and returns their values:
+  they read nothing."""
   folded: list[Value] = []
   for op in ops:
     for region in op.regions:
       kept = []
       for inner in region.ops:
-        if _empty(inner) and _foldable(inner):
+        if (_empty(inner) or _reads_only_empties(inner)) and _foldable(inner):
           for v in inner.outputs:
             v.const = Folded({v: inner})
             folded.append(v)
@@ -98,6 +100,12 @@ def fold_region_empties(ops: list[Op]) -> list[Value]:
 def _empty(op: Op) -> bool:
   """Whether every result of ``op`` holds no elements."""
   return bool(op.outputs) and all(v.size == 0 for v in op.outputs)
+
+
+def _reads_only_empties(op: Op) -> bool:
+  """Whether every value ``op`` reads holds no elements (and it reads one)."""
+  values = [x for x in op.inputs if isinstance(x, Value)]
+  return bool(values) and all(x.size == 0 for x in values)
 
 
 def _is_identity(op: Op) -> bool:
