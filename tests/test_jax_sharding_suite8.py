@@ -423,6 +423,18 @@ def zero_size_arrays_read_in_cond_and_loop_bodies():
 
 
 @case
+def concatenate_of_an_empty_argument_and_a_loop_carry():
+  """Empty pieces leave a concatenate (XLA's simplifier): the empty argument's P(None, 'b')
+  reached the carry, which jax.jit returns replicated."""
+  def f(x, y):
+    def body(i, c):
+      return jnp.concatenate([x, c]) * 2 + jnp.concatenate([y.T.astype(jnp.float32), c, x])
+    return lax.fori_loop(0, 3, body, jnp.ones((1, 8)))
+  check_jit(f, (np.zeros((0, 8), np.float32), np.zeros((8, 0), np.int32)), (P(None, "b"), P("a")),
+            MESH)
+
+
+@case
 def scalar_outputs_with_out_specs_replicated():
   def f(x, i):
     return x.sum(), (i * i).max(), jnp.float32(2.0)
