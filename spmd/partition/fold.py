@@ -7,10 +7,14 @@ where the program is lowered (``const_arrays``), which XLA folds; nothing runs w
 
 As in XLA, broadcasts stay ops (cheap to make, large to hold) yet count as constants for the ops
 reading them, iotas are not constants, and nothing larger than XLA's bound is folded. An op whose
-results hold no elements is an empty constant whatever it reads (XLA's simplifier replaces it). An
+results hold no elements is an empty constant whatever it reads (XLA's simplifier replaces it), and
+a program input holding no elements counts as a constant for the ops reading it: a sum of it is its
+init value, which XLA folds and jax.jit returns replicated (read inside the shard_map, empty
+operands were all dropped by XLA, which then refused the manual computation). An
 identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
 and its result counts as a constant too.
-Only the top-level program is folded; in region bodies only the ops with empty results are.
+Only the top-level program is folded; in region bodies only the ops with empty results, or
+reading nothing but empty values, are.
 """
 from __future__ import annotations
 
@@ -55,7 +59,8 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
         v.const = Folded(makers)
         folded.append(v)
       continue
-    if not all(not isinstance(x, Value) or x.const is not None or x in makers for x in op.inputs):
+    if not all(not isinstance(x, Value) or x.const is not None or x.size == 0 or x in makers
+               for x in op.inputs):
       kept.append(op)
       continue
     if op.primitive in _KEPT or _is_identity(op):
@@ -73,14 +78,15 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
 
 
 def fold_region_empties(ops: list[Op]) -> list[Value]:
-  """Folds the ops with empty results in the bodies of ``ops``' regions (at any depth), as
-  ``fold_constants`` does at the top level, and returns their values: they read nothing."""
+  """Folds the ops with empty results, or reading only empty values, in the bodies of ``ops``'
+  regions (at any depth), as ``fold_constants`` does at the top level, and returns their values:
+  they read nothing."""
   folded: list[Value] = []
   for op in ops:
     for region in op.regions:
       kept = []
       for inner in region.ops:
-        if _empty(inner) and _foldable(inner):
+        if (_empty(inner) or _reads_only_empties(inner)) and _foldable(inner):
           for v in inner.outputs:
             v.const = Folded({v: inner})
             folded.append(v)
@@ -94,6 +100,12 @@ def fold_region_empties(ops: list[Op]) -> list[Value]:
 def _empty(op: Op) -> bool:
   """Whether every result of ``op`` holds no elements."""
   return bool(op.outputs) and all(v.size == 0 for v in op.outputs)
+
+
+def _reads_only_empties(op: Op) -> bool:
+  """Whether every value ``op`` reads holds no elements (and it reads one)."""
+  values = [x for x in op.inputs if isinstance(x, Value)]
+  return bool(values) and all(x.size == 0 for x in values)
 
 
 def _is_identity(op: Op) -> bool:
@@ -125,9 +137,9 @@ def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
     if not isinstance(x, Value):
       return np.asarray(x.val, dtype=x.aval.dtype)
     if x not in env:
-      if x not in makers:
+      if x not in makers and x.size:
         env[x] = x.const
-      elif _empty(makers[x]):
+      elif x not in makers or _empty(makers[x]):
         env[x] = jnp.zeros(x.aval.shape, x.aval.dtype)  # made in the program: no 0-size operand
       else:
         op = makers[x]

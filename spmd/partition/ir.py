@@ -317,7 +317,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    same = _only_case(op, equal) or _needless_abs(op, makers)
+    same = _only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
     if same is not None:
       alias[op.outputs[0]] = same
       continue
@@ -392,6 +392,21 @@ def _only_case(op: Op, equal: Mapping[Value, Value]) -> Value | None:
   same = lambda c: c is first or (  # noqa: E731
       isinstance(c, Value) and c in equal and equal[c] is equal.get(first))
   return first if isinstance(first, Value) and all(same(c) for c in op.inputs[2:]) else None
+
+
+def _without_empty_pieces(op: Op) -> Value | None:
+  """A ``concatenate``'s one piece holding elements, which it then is; with several, the
+  concatenate is made of them alone (XLA's simplifier drops empty pieces: an empty argument's
+  sharding reaches nothing through them). Else None."""
+  if op.primitive != "concatenate" or op.outputs[0].size == 0:
+    return None
+  kept = [k for k, a in enumerate(op.inputs) if not (isinstance(a, Value) and a.size == 0)]
+  if len(kept) == 1:
+    return op.inputs[kept[0]]
+  if len(kept) < len(op.inputs):
+    op.inputs = tuple(op.inputs[k] for k in kept)
+    op.eqn = op.eqn.replace(invars=[op.eqn.invars[k] for k in kept])
+  return None
 
 
 def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
