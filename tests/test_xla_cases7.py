@@ -214,3 +214,34 @@ def test_all_to_all_between_dims_3d_int32():  # shardy AllToAll, 'c' moved with 
 def test_all_to_all_two_axes_to_other_dim():  # shardy AllToAll, ('a','b') moved together
   no_more_than_xla(lambda x: x - 1, (randn(8, 8),), P(("a", "b"), None), A2B2,
                    P(None, ("a", "b")))
+
+
+def test_trade_axes_and_drop_one_3d():  # TiledToPartiallyTiled, the kept axes on other dims
+  """P('a','b','c') -> P('c', None, 'a') of f32[4,4,4]: 'a' and 'c' trade dims in one permute of
+  the block, then 'b' is gathered, 96 B as XLA (was 160 B: two all-to-alls and a permute)."""
+  plan = no_more_than_xla(lambda x: x * 2, (randn(4, 4, 4),), P("a", "b", "c"), "a2b2c2",
+                          P("c", None, "a"))
+  assert plan.total_bytes == 96, plan.explain()
+
+
+def test_trade_axes_and_drop_two_3d_bf16():  # TiledToPartiallyTiled, one axis kept elsewhere
+  no_more_than_xla(lambda x: x + 1, (randn(4, 4, 4, dtype=BF16),), P("a", "b", "c"), "a2b2c2",
+                   P("c", None, None))
+
+
+def test_trade_axes_and_drop_one_uneven_int32():  # the same, with uneven dims
+  no_more_than_xla(lambda x: x * 2, (ints(6, 5, 4),), P("a", "b", "c"), "a2b2c2",
+                   P("b", None, "a"))
+
+
+def test_reduce_then_trade_axes_3d():  # TiledToPartiallyTiledReduce, the result's axes traded
+  """x.sum(1) of f32[4,4,4] P('a','b','c') into P('c','a'): the partial sums over 'b' reduced in
+  the operand's layout, then 'a' and 'c' trade dims in one permute, 32 B as XLA (was 48 B: the
+  operand permuted before the reduce)."""
+  plan = no_more_than_xla(lambda x: x.sum(1), (randn(4, 4, 4),), P("a", "b", "c"), "a2b2c2",
+                          P("c", "a"))
+  assert plan.total_bytes == 32, plan.explain()
+
+
+def test_reduce_max_then_trade_axes_int32():  # the same with a max
+  no_more_than_xla(lambda x: x.max(1), (ints(4, 4, 8),), P("a", "b", "c"), "a2b2c2", P("c", "a"))
