@@ -194,6 +194,20 @@ def test_while_sharded_carry_reduce_3d():  # While, carry sharded over the whole
   no_more_than_xla(f, (randn(4, 8),), P("a", ("b", "c")), "a2b2c2", P("a", ("b", "c")))
 
 
+def test_while_carry_in_and_out_specs_disagree():  # WhileInputAndOutputTiled, other tilings
+  """A carry entering P('a','b') and returned P('b','a'): it keeps the init's tiling and the
+  result is permuted once, 16 B as XLA (was 96 B: the closed init and output tied on the
+  carry's link, which ran replicated)."""
+  plan = no_more_than_xla(lambda x: lax.fori_loop(0, 2, lambda i, c: jnp.sin(c), x),
+                          (randn(4, 4),), P("a", "b"), A2B2, P("b", "a"))
+  assert plan.total_bytes == 16, plan.explain()
+
+
+def test_while_carry_transposed_each_trip_3d():  # While, the body transposes its carry
+  no_more_than_xla(lambda x: lax.fori_loop(0, 2, lambda i, c: c.T * 2, x), (randn(4, 4),),
+                   P("a", "c"), "a2b2c2", P("c", "a"))
+
+
 # --- Reshards between partial tilings of a 3-D mesh ---------------------------------------------
 
 def test_tiled_to_partially_tiled_3d():  # TiledToPartiallyTiled, 2x2x2
