@@ -177,6 +177,20 @@ def test_iota_along_two_tiled_dims_transposed_axes():  # IotaAlongTileDimension,
   no_more_than_xla(f, (ints(8, 8),), P(("b", "a"), None), A4B2)
 
 
+def test_iota_reshaped_into_uneven_tiling():  # IotaAlongTileDimension, through a reshape
+  """jnp.arange(12.).reshape(3, 4) added to f32[3,4] P('a','b'): the iota is made whole
+  (free) and reshaped, 32 B as XLA (was 80 B: propagation gave the iota P('a') through the
+  reshape, blocks of 6 where the result's rows of 'a' are blocks of 8, then gathered it)."""
+  plan = no_more_than_xla(lambda x: x + jnp.arange(12.0).reshape(3, 4), (randn(3, 4),),
+                          P("a", "b"), A2B2)
+  assert plan.total_bytes == 32, plan.explain()
+
+
+def test_reshape_split_into_uneven_tiling_int32():  # ReshapeWithReshard, the operand open
+  no_more_than_xla(lambda x, y: x * y.reshape(3, 4), (ints(3, 4), ints(12, seed=1)),
+                   (P("a", "b"), P()), A2B2)
+
+
 # --- Control flow -----------------------------------------------------------------------------
 
 def test_conditional_sharded_operands_differently():  # Conditional, branches on other tilings

@@ -396,6 +396,8 @@ class _Engine:
       source = None
       for f in factors:
         axes, cand = merged.get(f, ((), None))
+        if len(factors) > 1 and rule.sizes[f] % math.prod(self.mesh[a] for a in axes):
+          break  # split unevenly in a merged dim: its padding would land inside the dim
         new.extend(axes)
         source = source or (cand if axes else None)
         if len(factors) > 1 and math.prod(self.mesh[a] for a in axes) != rule.sizes[f]:
