@@ -186,9 +186,14 @@ def test_iota_reshaped_into_uneven_tiling():  # IotaAlongTileDimension, through 
   assert plan.total_bytes == 32, plan.explain()
 
 
-def test_reshape_split_into_uneven_tiling_int32():  # ReshapeWithReshard, the operand open
-  no_more_than_xla(lambda x, y: x * y.reshape(3, 4), (ints(3, 4), ints(12, seed=1)),
-                   (P("a", "b"), P()), A2B2)
+def test_iota_reshaped_into_uneven_tiling_3d():  # the same over ('b','c'), 3-D mesh
+  no_more_than_xla(lambda x: x * jnp.arange(30.0).reshape(5, 6), (randn(5, 6),),
+                   P("a", ("b", "c")), "a2b2c2")
+
+
+def test_reshape_split_into_uneven_tiling_3d():  # ReshapeWithReshard, the operand computed
+  no_more_than_xla(lambda x, y: x + jnp.sin(y).reshape(6, 4), (randn(6, 4), randn(24, seed=1)),
+                   (P(("a", "b"), "c"), P()), "a2b2c2")
 
 
 # --- Control flow -----------------------------------------------------------------------------
