@@ -5,7 +5,9 @@ some replicated, the windowed-einsum families in forms of XLA's bytes, negative 
 padding, strided slices and reverses over two axes, dilated windows, max-pool gradients on two
 sharded dims, gathers and scatters on 3-D meshes, sorts with an iota operand, reshapes and
 transposes with partial replication, conditionals and loops with sharded carries, and reshards
-between partial tilings of a 2x2x2 mesh. Each test names the XLA test it mirrors (or the family
+between partial tilings of a 2x2x2 mesh; and the gaps closed this round (axes traded between
+dims while others are dropped, loop carries whose in and out specs disagree, reshapes into
+uneven tilings). Each test names the XLA test it mirrors (or the family
 it extends), checks values, plan == compiled HLO and no replicated fallback (tests/helpers.py),
 and that spmd moves no more bytes per device than XLA's own partitioner with the same specs."""
 from __future__ import annotations
