@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
