@@ -335,7 +335,7 @@ class _Engine:
         axes = best.axes
       else:
         best = ranked[0]
-        axes = _tied_axes(ranked)
+        axes = _tied_axes(ranked, len(rule.operands))
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
             conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
@@ -396,6 +396,8 @@ class _Engine:
       source = None
       for f in factors:
         axes, cand = merged.get(f, ((), None))
+        if len(factors) > 1 and rule.sizes[f] % math.prod(self.mesh[a] for a in axes):
+          break  # split unevenly in a merged dim: its padding would land inside the dim
         new.extend(axes)
         source = source or (cand if axes else None)
         if len(factors) > 1 and math.prod(self.mesh[a] for a in axes) != rule.sizes[f]:
@@ -411,12 +413,17 @@ class _Engine:
       writes.append(_Write(part, d, dims[d], None if source is None else source.part))
 
 
-def _tied_axes(ranked: list[_Candidate]) -> Axes:
+def _tied_axes(ranked: list[_Candidate], operands: int) -> Axes:
   """The axes a factor takes from disagreeing candidates (best first): the first's, or where
-  closed candidates of its tensor size disagree with it, their common prefix (as Shardy's
-  propagation, and so jax.jit, resolves ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b'))."""
+  closed candidates of its tensor size on its side of the op (among the first ``operands``
+  tensors, or the rest) disagree with it, their common prefix (as Shardy's propagation, and so
+  jax.jit, resolves ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b')). A closed operand
+  and a closed result do not tie: a loop's carry between its in_specs and out_specs keeps the
+  init's axes (XLA reshards the result once) rather than running replicated."""
   best = ranked[0]
-  tied = [x.axes for x in ranked if x.closed and best.closed and x.size == best.size]
+  side = best.pos < operands
+  tied = [x.axes for x in ranked
+          if x.closed and best.closed and x.size == best.size and (x.pos < operands) == side]
   if len(tied) < 2:
     return best.axes
   n = 0

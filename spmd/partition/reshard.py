@@ -238,6 +238,31 @@ def _traded_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int
                       mesh=mesh),)
 
 
+def _trades_before_gathers(src: TensorSharding, dst: TensorSharding,
+                           mesh: MeshShape) -> list[TensorSharding]:
+  """``dst`` if it uses ``src``'s axes, else ``dst`` with the axes it drops from ``src`` put back
+  behind its own, each dim split into as many blocks as in ``src`` (P('a','b','c') ->
+  P('c', None, 'a') on a 2x2x2 mesh: P('c','b','a')): one ``TradeBlocks`` of ``src``'s small
+  blocks reaches each, and only gathers of minor axes are left, as XLA permutes devices before
+  it gathers."""
+  used = {a for d in src.dims for a in d}
+  kept = {a for d in dst.dims for a in d}
+  dropped = [a for a in mesh if a in used - kept]
+  if src.partial or dst.partial or not kept <= used:
+    return []
+  mids = [] if dropped else [dst]
+  for order in itertools.permutations(dropped):
+    for places in itertools.product(range(len(dst.dims)), repeat=len(order)):
+      dims = [list(d) for d in dst.dims]
+      for a, d in zip(order, places):
+        dims[d].append(a)
+      mid = TensorSharding(tuple(tuple(d) for d in dims))
+      if mid != src and mid not in mids and all(
+          axes_size(h, mesh) == axes_size(m, mesh) for h, m in zip(src.dims, mid.dims)):
+        mids.append(mid)
+  return mids
+
+
 @dataclass(frozen=True, kw_only=True)
 class SwapAxes(ReshardStep):
   """``dim`` trades mesh axis ``axes[0]`` for ``axes[1]``, of one size, in one place of its axes
@@ -357,14 +382,21 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   """The steps from ``src`` to ``dst``: the cheapest of the plan that gathers an axis it cannot
   move straight to the dim that wants it next, the plan that parks such an axis in the dim
   that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
-  axes between dims by all-to-alls rather than gathering them, and, where axes only trade
-  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``)."""
+  axes between dims by all-to-alls rather than gathering them, where axes only trade
+  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), and where
+  axes trade dims while others are dropped, that permute before gathering the dropped axes."""
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
   if any(isinstance(s, AllGather) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
-  traded = _traded_blocks(src, dst, shape, itemsize, mesh)
-  if traded is not None:
-    options.append(traded)
+  summed, reduced = src, ()
+  if src.partial and not dst.partial:  # the partial sums reduced first, then traded
+    summed = TensorSharding(src.dims)
+    reduced = (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
+                         itemsize=itemsize, mesh=mesh),)
+  for mid in _trades_before_gathers(summed, dst, mesh):
+    traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
+    if traded is not None:
+      options.append(reduced + traded + _plan_reshard(mid, dst, shape, itemsize, mesh, park=False))
   return min(options, key=lambda steps: sum(s.bytes for s in steps))
 
 
