@@ -336,3 +336,72 @@ def test_nnx_scan_with_the_cell_as_carry_over_padded_sequences(mesh, batch):
                             (None, None, P("batch"), P("batch"), P("batch")), batches,
                             rules=rules)
   assert int(model.cell.steps[...]) == 2 * 7
+
+
+# --- nnx.Optimizer over a path filter: adapters trained, the frozen encoder split off ----------
+
+ADAPTERS = nnx.All(nnx.Param, nnx.PathContains("adapter"))
+
+
+class AdaptedBlock(nnx.Module):
+  """A residual block with a bottleneck adapter beside it (Houlsby-style)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.mlp = nnx.Linear(16, 32, kernel_init=named("embed", "mlp"), rngs=rngs)
+    self.out = nnx.Linear(32, 16, kernel_init=named("mlp", "embed"), rngs=rngs)
+    self.adapter = nnx.Sequential(
+        nnx.Linear(16, 4, kernel_init=named("embed", None), rngs=rngs), nnx.gelu,
+        nnx.Linear(4, 16, kernel_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                            (None, "embed")), rngs=rngs))
+
+  def __call__(self, x):
+    y = x + self.out(nnx.relu(self.mlp(x)))
+    return y + self.adapter(y)
+
+
+class AdaptedEncoder(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.blocks = nnx.List([AdaptedBlock(rngs) for _ in range(2)])
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.head = nnx.Linear(16, 5, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
+def adapter_step(model, optimizer, x, labels):
+  """The filters guide's split: ``nnx.split(model, ADAPTERS, ...)``, the loss of the trainable
+  state merged back, its gradient by ``jax.value_and_grad``, the optimizer over ``wrt=ADAPTERS``."""
+  graphdef, trainable, rest = nnx.split(model, ADAPTERS, ...)
+
+  def loss_fn(trainable):
+    logits = nnx.merge(graphdef, trainable, rest)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(trainable)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 6)])
+def test_nnx_optimizer_wrt_path_filter_trains_only_adapters(mesh, batch):
+  """Three steps of adam over the adapters only: the encoder's kernels (split over "model" by
+  their "mlp" names) and the head stay as made; the adapters move."""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = AdaptedEncoder(nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=ADAPTERS)
+
+  batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 5) for s in range(3)]
+  rules = (("batch", "data"), ("embed", None), ("mlp", "model"))
+  plan, (model, _) = nnx_steps(adapter_step, fresh, mesh_of(mesh),
+                               (None, None, P("batch"), P("batch")), batches, rules=rules)
+  made = fresh()[0]
+  frozen = nnx.Not(ADAPTERS)
+  assert_trees_match(nnx.state(model, frozen), nnx.state(made, frozen))
+  moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), nnx.state(model, ADAPTERS),
+                       nnx.state(made, ADAPTERS))
+  assert all(jax.tree.leaves(moved))
+  assert plan.in_specs[0][0]["blocks"][0]["mlp"]["kernel"].get_value() == P(None, "model")
