@@ -23,13 +23,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop
+from helpers import (assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop,
+                     xla_bytes)
 
 
 # --- lm1b's decoder: its own attention with a logically named "cache" collection ----------------
 
 LM_RULES = (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
             ("embed", None), ("kv", None), ("length", None))
+# every model dim named over "model", "embed" first: flax gives a kernel's first named dim the
+# axis (a table (vocab, embed) is split along embed, the vocabulary projection along its rows)
+EMBED_FIRST_RULES = (("batch", "data"), ("embed", "model"), ("vocab", "model"),
+                     ("heads", "model"), ("mlp", "model"), ("kv", None), ("length", None))
 LENGTH, EMBED, HEADS = 8, 16, 4
 
 
@@ -141,19 +146,23 @@ def init_decoder(vocab: int, batch: int):
   return nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
 
 
-@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
-def test_lm1b_packed_weighted_label_smoothing_uneven_vocab(mesh, batch):
-  """Packed rows, padding weighted out of the label-smoothed loss; the vocabulary (250 rows of
-  the embedding, 250 logits) split unevenly over "model"."""
-  vocab, tx = 250, optax.adamw(1e-2, weight_decay=0.1)
-  params, param_specs = init_decoder(vocab, batch)
+@pytest.mark.parametrize("rules,table", [(LM_RULES, P("model", None)),
+                                         (EMBED_FIRST_RULES, P(None, "model"))])
+def test_lm1b_packed_weighted_label_smoothing_uneven_vocab(rules, table):
+  """Two steps on packed rows, padding weighted out of the label-smoothed loss; the vocabulary
+  (250 rows of the embedding, 250 logits) split unevenly over "model", or the embed dim split;
+  no more bytes than XLA's partitioner moves for the same step."""
+  vocab, tx, mesh = 250, optax.adamw(1e-2, weight_decay=0.1), mesh_of("2x4")
+  params, param_specs = init_decoder(vocab, 4)
   step = lambda *args: lm1b_train_step(*args, vocab=vocab, tx=tx)  # noqa: E731
-  batches = [packed_batch(batch, vocab, seed) for seed in range(2)]
-  in_specs = (param_specs, None, P("batch"), P("batch"), P("batch"))
-  plan = train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of(mesh), in_specs=in_specs,
-                                                  rules=LM_RULES),
-                    (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
-  assert plan.in_specs[0]["Embed_0"]["embedding"] == P("model", None)
+  batches = [packed_batch(4, vocab, seed) for seed in range(2)]
+  state = (params, tx.init(params))
+  plan = train_loop(jax.jit(step), spmd.partition(
+      step, mesh=mesh, in_specs=(param_specs, None, P("batch"), P("batch"), P("batch")),
+      rules=rules), state, batches, rtol=1e-4, atol=1e-5)
+  assert plan.in_specs[0]["Embed_0"]["embedding"] == table
+  resolved = (plan.in_specs[0], None, P("data"), P("data"), P("data"))
+  assert plan.total_bytes <= xla_bytes(step, (*state, *batches[0]), resolved, mesh)
 
 
 def decode_step(params, cache, token, position, *, vocab: int):
