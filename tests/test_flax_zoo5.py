@@ -2,14 +2,17 @@
 spmd.partition on the ("data", "model") meshes: lm1b's decoder with its own attention whose
 "cache" collection is boxed by logical names (the cache split over heads and batch, several
 decode steps fed back), trained on packed examples (segment-aware shift and masks, positions)
-with lm1b's label-smoothed loss weighted by padding, its vocabulary (250) uneven over "model";
-an ``nnx.vmap`` ensemble whose members' params, batch statistics and dropout streams are vmapped
-by ``nnx.StateAxes`` and named "members" by ``transform_metadata``; ``nnx.scan`` over time with
-the recurrent cell itself the ``nnx.Carry`` (sequences of uneven lengths masked); and an
-``nnx.Optimizer`` whose ``wrt`` is ``nnx.All(nnx.Param, nnx.PathContains(...))``, the step
-splitting the model by that filter with ``nnx.split`` / ``nnx.merge``.
+with lm1b's label-smoothed loss weighted by padding, its vocabulary (250) uneven over "model" or
+its rows' positions split (sequence parallel), no more bytes than XLA's; an ``nnx.vmap``
+ensemble whose members' params, batch statistics and dropout streams are vmapped by
+``nnx.StateAxes`` and named "members" by ``transform_metadata``; ``nnx.scan`` over layers split
+over "model" (``nnx.remat`` with a policy inside) and over time with the recurrent cell itself
+the ``nnx.Carry`` (sequences of uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is
+``nnx.All(nnx.Param, nnx.PathContains(...))``, the step splitting the model by that filter with
+``nnx.split`` / ``nnx.merge``.
 Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
-back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan)."""
+back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
+"""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,6 @@ import pytest
 from flax import nnx
 from flax.training import common_utils
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -31,10 +33,9 @@ from helpers import (assert_trees_match, check_plan, mesh_of, nnx_steps, randn, 
 
 LM_RULES = (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
             ("embed", None), ("kv", None), ("length", None))
-# every model dim named over "model", "embed" first: flax gives a kernel's first named dim the
-# axis (a table (vocab, embed) is split along embed, the vocabulary projection along its rows)
-EMBED_FIRST_RULES = (("batch", "data"), ("embed", "model"), ("vocab", "model"),
-                     ("heads", "model"), ("mlp", "model"), ("kv", None), ("length", None))
+# sequence parallel: the packed rows' positions split over "model", the params whole
+LENGTH_RULES = (("batch", "data"), ("length", "model"), ("vocab", None), ("heads", None),
+                ("mlp", None), ("embed", None), ("kv", None))
 LENGTH, EMBED, HEADS = 8, 16, 4
 
 
@@ -147,21 +148,22 @@ def init_decoder(vocab: int, batch: int):
 
 
 @pytest.mark.parametrize("rules,table", [(LM_RULES, P("model", None)),
-                                         (EMBED_FIRST_RULES, P(None, "model"))])
+                                         (LENGTH_RULES, P(None, None))])
 def test_lm1b_packed_weighted_label_smoothing_uneven_vocab(rules, table):
   """Two steps on packed rows, padding weighted out of the label-smoothed loss; the vocabulary
-  (250 rows of the embedding, 250 logits) split unevenly over "model", or the embed dim split;
-  no more bytes than XLA's partitioner moves for the same step."""
+  (250 rows of the embedding, 250 logits) split unevenly over "model", or the rows' positions
+  (the segment-aware shift crossing shards); no more bytes than XLA's partitioner moves for the
+  same step."""
   vocab, tx, mesh = 250, optax.adamw(1e-2, weight_decay=0.1), mesh_of("2x4")
   params, param_specs = init_decoder(vocab, 4)
   step = lambda *args: lm1b_train_step(*args, vocab=vocab, tx=tx)  # noqa: E731
   batches = [packed_batch(4, vocab, seed) for seed in range(2)]
-  state = (params, tx.init(params))
+  state, rows = (params, tx.init(params)), P("batch", "length")
   plan = train_loop(jax.jit(step), spmd.partition(
-      step, mesh=mesh, in_specs=(param_specs, None, P("batch"), P("batch"), P("batch")),
-      rules=rules), state, batches, rtol=1e-4, atol=1e-5)
+      step, mesh=mesh, in_specs=(param_specs, None, rows, rows, rows), rules=rules),
+                    state, batches, rtol=1e-4, atol=1e-5)
   assert plan.in_specs[0]["Embed_0"]["embedding"] == table
-  resolved = (plan.in_specs[0], None, P("data"), P("data"), P("data"))
+  resolved = (plan.in_specs[0], None, *plan.in_specs[2:])
   assert plan.total_bytes <= xla_bytes(step, (*state, *batches[0]), resolved, mesh)
 
 
@@ -172,11 +174,10 @@ def decode_step(params, cache, token, position, *, vocab: int):
   return mutated["cache"], jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
 
 
-@pytest.mark.parametrize("mesh,batch,even", [("2x4", 4, True), ("8x1", 6, False)])
-def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch, even):
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
+def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch):
   """Several decode steps, the cache and token fed back: the cache's specs are its boxes' logical
-  names (batch over "data", heads over "model") and it comes back split as it went in where its
-  batch splits evenly (6 rows over 8 come back whole: outputs get even shardings)."""
+  names (batch over "data", heads over "model") and it comes back split as it went in."""
   vocab = 32
   params, param_specs = init_decoder(vocab, batch)
   token = jnp.asarray(np.random.default_rng(0).integers(1, vocab, (batch, 1)), jnp.int32)
@@ -194,8 +195,7 @@ def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch, even):
     want = jax.jit(step)(params, *want, position)
     got = decode(params, *got, position)
     assert_trees_match(got, want, rtol=1e-5, atol=1e-5)
-  split = nn.logical_to_mesh_sharding(cache_specs, mesh, LM_RULES) if even else jax.tree.map(
-      lambda _: NamedSharding(mesh, P()), cache_specs, is_leaf=lambda s: isinstance(s, P))
+  split = nn.logical_to_mesh_sharding(cache_specs, mesh, LM_RULES)
   assert all(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim),
                                           got[0], split)))
   check_plan(decode, params, cache, token, jnp.zeros((1, 1), jnp.int32))
@@ -249,7 +249,7 @@ class VmapEnsemble(nnx.Module):
     return jnp.mean(run(self.members, x), axis=0)
 
 
-def ensemble_step(model, optimizer, x, labels):
+def classify_step(model, optimizer, x, labels):
   def loss_fn(model):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
 
@@ -268,7 +268,7 @@ def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
       return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
   batches = [(randn(batch, 8, seed=s), jnp.arange(batch) % 4) for s in range(3)]
-  plan, (model, _) = nnx_steps(ensemble_step, fresh, mesh_of(mesh),
+  plan, (model, _) = nnx_steps(classify_step, fresh, mesh_of(mesh),
                                (None, None, P("batch"), P("batch")), batches,
                                rules=ENSEMBLE_RULES)
   assert plan.in_specs[0][0]["members"]["up"]["kernel"].get_value() == P("model", None, None)
@@ -326,11 +326,11 @@ def scan_step(model, optimizer, tokens, lengths, labels):
   return loss
 
 
-@pytest.mark.parametrize("mesh,batch", [("8x1", 6), ("2x4", 4)])
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_nnx_scan_with_the_cell_as_carry_over_padded_sequences(mesh, batch):
   """The cell (its hidden state and step count Variables) threaded through ``nnx.scan`` as the
-  ``nnx.Carry``; the hidden features named "hidden" (over "model" on 2x4), the batch over
-  "data" (6 rows over 8: uneven), each sequence pooled within its length."""
+  ``nnx.Carry``; the hidden features named "hidden" (over "model"), the batch over "data", each
+  sequence pooled within its length."""
   def fresh():
     with nnx.use_eager_sharding(False):
       model = ScanClassifier(batch, nnx.Rngs(0))
@@ -345,6 +345,60 @@ def test_nnx_scan_with_the_cell_as_carry_over_padded_sequences(mesh, batch):
                             (None, None, P("batch"), P("batch"), P("batch")), batches,
                             rules=rules)
   assert int(model.cell.steps[...]) == 2 * 7
+
+
+
+# --- nnx.scan over layers split over "model": StateAxes, nnx.Carry, nnx.remat with a policy ----
+
+class LayerNormMLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.LayerNorm(16, rngs=rngs, scale_init=nnx.with_partitioning(
+        nnx.initializers.ones_init(), ("embed",)))
+    self.up = nnx.Linear(16, 32, kernel_init=named("embed", "mlp"), rngs=rngs)
+    self.down = nnx.Linear(32, 16, kernel_init=named("mlp", "embed"), rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class LayerStack(nnx.Module):
+  """Four layers made by ``nnx.vmap`` and run by ``nnx.scan`` over
+  ``StateAxes({nnx.Param: 0, ...: None})`` with the activations the ``nnx.Carry``, each layer
+  under ``nnx.remat`` saving only its non-batched dots; the stacked params named "layers"."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+      return LayerNormMLP(rngs)
+
+    self.layers = create(rngs)
+    self.head = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, nnx.StateAxes({nnx.Param: 0, ...: None})), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.remat(policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    def forward(x, layer):
+      return layer(x)
+
+    return self.head(forward(x, self.layers))
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 8)])
+def test_nnx_scan_over_layers_split_over_model_with_remat_policy(mesh, batch):
+  """Two adam steps with the stacked layers split over "model" (one layer per device column):
+  each trip reads its layer from the devices that hold it."""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = LayerStack(nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  rules = (("batch", "data"), ("layers", "model"), ("embed", None), ("mlp", None))
+  batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 3) for s in range(2)]
+  plan, _ = nnx_steps(classify_step, fresh, mesh_of(mesh),
+                      (None, None, P("batch"), P("batch")), batches, rules=rules)
+  assert plan.in_specs[0][0]["layers"]["up"]["kernel"].get_value() == P("model", None, None)
 
 
 # --- nnx.Optimizer over a path filter: adapters trained, the frozen encoder split off ----------
