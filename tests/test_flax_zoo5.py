@@ -1,7 +1,7 @@
 """flax's own examples, a ninth round, small and written as their users write them, run through
-spmd.partition on the ("data", "model") meshes: lm1b's decoder with its own attention whose
-"cache" collection is boxed by logical names (the cache split over heads and batch, several
-decode steps fed back), trained on packed examples (segment-aware shift and masks, positions)
+spmd.partition on the ("data", "model") meshes: lm1b's decoder, its blocks under ``nn.scan``,
+with its own attention whose "cache" collection is boxed by logical names (the stacked cache
+split over heads and batch, several decode steps fed back), trained on packed examples (segment-aware shift and masks, positions)
 with lm1b's label-smoothed loss weighted by padding, its vocabulary (250) uneven over "model" or
 its rows' positions split (sequence parallel), no more bytes than XLA's; an ``nnx.vmap``
 ensemble whose members' params, batch statistics and dropout streams are vmapped by
@@ -29,13 +29,13 @@ from helpers import (assert_trees_match, check_plan, mesh_of, nnx_steps, randn, 
                      xla_bytes)
 
 
-# --- lm1b's decoder: its own attention with a logically named "cache" collection ----------------
+# --- lm1b's decoder, blocks scanned: its own attention with a logically named "cache" ----------
 
 LM_RULES = (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
-            ("embed", None), ("kv", None), ("length", None))
+            ("embed", None), ("kv", None), ("length", None), ("layers", None))
 # sequence parallel: the packed rows' positions split over "model", the params whole
 LENGTH_RULES = (("batch", "data"), ("length", "model"), ("vocab", None), ("heads", None),
-                ("mlp", None), ("embed", None), ("kv", None))
+                ("mlp", None), ("embed", None), ("kv", None), ("layers", None))
 LENGTH, EMBED, HEADS = 8, 16, 4
 
 
@@ -75,9 +75,23 @@ class CachedSelfAttention(nn.Module):
         nn.initializers.lecun_normal(), "heads", "embed"))(y)
 
 
+class DecoderBlock(nn.Module):
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, x, mask):
+    x = x + CachedSelfAttention(self.decode)(nn.LayerNorm()(x), mask)
+    z = nn.relu(nn.Dense(32, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "mlp"))(
+        nn.LayerNorm()(x)))
+    return x + nn.Dense(EMBED, kernel_init=logical(nn.initializers.lecun_normal(), "mlp",
+                                                   "embed"))(z), None
+
+
 class Decoder(nn.Module):
-  """lm1b's TransformerLM, one block: token and learned position embeddings, masks from padding,
-  causality and packed segments (none when decoding: the cache masks)."""
+  """lm1b's TransformerLM with its blocks scanned (``nn.scan`` over params and cache, the mask
+  broadcast, the stacked params and caches named "layers"): token and learned position
+  embeddings, masks from padding, causality and packed segments (none when decoding: the cache
+  masks)."""
   vocab: int
   decode: bool = False
 
@@ -90,10 +104,10 @@ class Decoder(nn.Module):
     mask = None if self.decode else nn.combine_masks(
         nn.make_attention_mask(tokens > 0, tokens > 0), nn.make_causal_mask(tokens),
         nn.make_attention_mask(segmentation, segmentation, jnp.equal))
-    x = x + CachedSelfAttention(self.decode)(nn.LayerNorm()(x), mask)
-    z = nn.relu(nn.Dense(32, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "mlp"))(
-        nn.LayerNorm()(x)))
-    x = x + nn.Dense(EMBED, kernel_init=logical(nn.initializers.lecun_normal(), "mlp", "embed"))(z)
+    blocks = nn.scan(DecoderBlock, variable_axes={"params": 0, "cache": 0}, length=2,
+                     split_rngs={"params": True}, in_axes=nn.broadcast,
+                     metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = blocks(self.decode, name="layers")(x, mask)
     return nn.Dense(self.vocab, kernel_init=logical(nn.initializers.lecun_normal(), "embed",
                                                     "vocab"))(nn.LayerNorm()(x))
 
@@ -183,7 +197,8 @@ def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch):
   token = jnp.asarray(np.random.default_rng(0).integers(1, vocab, (batch, 1)), jnp.int32)
   boxed = Decoder(vocab, decode=True).init(jax.random.key(0), token, token)["cache"]
   cache, cache_specs = nn.unbox(boxed), nn.get_partition_spec(boxed)
-  assert cache_specs["CachedSelfAttention_0"]["cached_key"] == P("batch", "length", "heads", "kv")
+  assert cache_specs["layers"]["CachedSelfAttention_0"]["cached_key"] == P(
+      "layers", "batch", "length", "heads", "kv")
   step = lambda *args: decode_step(*args, vocab=vocab)  # noqa: E731
   mesh = mesh_of(mesh)
   decode = spmd.partition(step, mesh=mesh, rules=LM_RULES,
