@@ -218,7 +218,7 @@ def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch):
 
 # --- nnx.vmap ensemble: params, batch statistics and dropout streams vmapped by StateAxes --------
 
-MEMBERS = 4
+MEMBERS = 3  # over "model"'s 4 devices: uneven, the members' dropout keys padded
 ENSEMBLE_RULES = (("members", "model"), ("batch", "data"), ("embed", None), ("hidden", None))
 
 
@@ -276,17 +276,19 @@ def classify_step(model, optimizer, x, labels):
 @pytest.mark.parametrize("mesh,batch", [("2x4", 6)])
 def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
   """Three steps: each member's params, batch statistics and dropout keys split over "model" by
-  their "members" name, the batch over "data"."""
+  their "members" name (3 members over 4 devices), the batch over "data". Regression: the
+  members' dropout keys, split unevenly, were padded by ``jnp.pad``, which cannot make keys."""
   def fresh():
     with nnx.use_eager_sharding(False):  # the names stay metadata: spmd resolves them
       model = VmapEnsemble(nnx.Rngs(0, dropout=1))
       return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
+  mesh, in_specs = mesh_of(mesh), (None, None, P("batch"), P("batch"))
   batches = [(randn(batch, 8, seed=s), jnp.arange(batch) % 4) for s in range(3)]
-  plan, (model, _) = nnx_steps(classify_step, fresh, mesh_of(mesh),
-                               (None, None, P("batch"), P("batch")), batches,
-                               rules=ENSEMBLE_RULES)
-  assert plan.in_specs[0][0]["members"]["up"]["kernel"].get_value() == P("model", None, None)
+  first = spmd.partition(classify_step, mesh=mesh, in_specs=in_specs, rules=ENSEMBLE_RULES).plan(
+      *fresh(), *batches[0])
+  assert first.in_specs[0][0]["members"]["up"]["kernel"].get_value() == P("model", None, None)
+  _, (model, _) = nnx_steps(classify_step, fresh, mesh, in_specs, batches, rules=ENSEMBLE_RULES)
   assert model.members.norm.mean.shape == (MEMBERS, 16)
 
 
