@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from helpers import (assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop,
                      xla_bytes)
+from test_flax_zoo import scan_stack_step  # a classifier's adam step over an NNX model
 
 
 # --- lm1b's decoder, blocks scanned: its own attention with a logically named "cache" ----------
@@ -264,15 +265,6 @@ class VmapEnsemble(nnx.Module):
     return jnp.mean(run(self.members, x), axis=0)
 
 
-def classify_step(model, optimizer, x, labels):
-  def loss_fn(model):
-    return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
-
-
 @pytest.mark.parametrize("mesh,batch", [("2x4", 6)])
 def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
   """Three steps: each member's params, batch statistics and dropout keys split over "model" by
@@ -285,10 +277,12 @@ def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
 
   mesh, in_specs = mesh_of(mesh), (None, None, P("batch"), P("batch"))
   batches = [(randn(batch, 8, seed=s), jnp.arange(batch) % 4) for s in range(3)]
-  first = spmd.partition(classify_step, mesh=mesh, in_specs=in_specs, rules=ENSEMBLE_RULES).plan(
-      *fresh(), *batches[0])
+  partitioned = spmd.partition(scan_stack_step, mesh=mesh, in_specs=in_specs,
+                               rules=ENSEMBLE_RULES)
+  first = partitioned.plan(*fresh(), *batches[0])
   assert first.in_specs[0][0]["members"]["up"]["kernel"].get_value() == P("model", None, None)
-  _, (model, _) = nnx_steps(classify_step, fresh, mesh, in_specs, batches, rules=ENSEMBLE_RULES)
+  _, (model, _) = nnx_steps(scan_stack_step, fresh, mesh, in_specs, batches,
+                            rules=ENSEMBLE_RULES)
   assert model.members.norm.mean.shape == (MEMBERS, 16)
 
 
@@ -413,7 +407,7 @@ def test_nnx_scan_over_layers_split_over_model_with_remat_policy(mesh, batch):
 
   rules = (("batch", "data"), ("layers", "model"), ("embed", None), ("mlp", None))
   batches = [(randn(batch, 16, seed=s), jnp.arange(batch) % 3) for s in range(2)]
-  plan, _ = nnx_steps(classify_step, fresh, mesh_of(mesh),
+  plan, _ = nnx_steps(scan_stack_step, fresh, mesh_of(mesh),
                       (None, None, P("batch"), P("batch")), batches, rules=rules)
   assert plan.in_specs[0][0]["layers"]["up"]["kernel"].get_value() == P("model", None, None)
 
