@@ -1,11 +1,12 @@
 """flax's own examples, a ninth round, small and written as their users write them, run through
 spmd.partition on the ("data", "model") meshes: lm1b's decoder, its blocks under ``nn.scan``,
 with its own attention whose "cache" collection is boxed by logical names (the stacked cache
-split over heads and batch, several decode steps fed back), trained on packed examples (segment-aware shift and masks, positions)
-with lm1b's label-smoothed loss weighted by padding, its vocabulary (250) uneven over "model" or
-its rows' positions split (sequence parallel), no more bytes than XLA's; an ``nnx.vmap``
-ensemble whose members' params, batch statistics and dropout streams are vmapped by
-``nnx.StateAxes`` and named "members" by ``transform_metadata``; ``nnx.scan`` over layers split
+split over heads and batch, several decode steps fed back), trained on packed examples
+(segment-aware shift and masks, positions) with lm1b's label-smoothed loss weighted by padding,
+its vocabulary (250) uneven over "model" or its rows' positions split (sequence parallel), no
+more bytes than XLA's; an ``nnx.vmap`` ensemble whose members' params, batch statistics and
+dropout streams are vmapped by ``nnx.StateAxes`` and named "members" by ``transform_metadata``
+(3 members over 4 devices); ``nnx.scan`` over layers split
 over "model" (``nnx.remat`` with a policy inside) and over time with the recurrent cell itself
 the ``nnx.Carry`` (sequences of uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is
 ``nnx.All(nnx.Param, nnx.PathContains(...))``, the step splitting the model by that filter with
