@@ -6,11 +6,11 @@ split over heads and batch, several decode steps fed back), trained on packed ex
 its vocabulary (250) uneven over "model" or its rows' positions split (sequence parallel), no
 more bytes than XLA's; an ``nnx.vmap`` ensemble whose members' params, batch statistics and
 dropout streams are vmapped by ``nnx.StateAxes`` and named "members" by ``transform_metadata``
-(3 members over 4 devices); ``nnx.scan`` over layers split
-over "model" (``nnx.remat`` with a policy inside) and over time with the recurrent cell itself
-the ``nnx.Carry`` (sequences of uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is
-``nnx.All(nnx.Param, nnx.PathContains(...))``, the step splitting the model by that filter with
-``nnx.split`` / ``nnx.merge``.
+(3 members over 4 devices); ``nnx.scan`` over layers split over "model" (``nnx.remat`` with a
+policy inside) and over time with the recurrent cell itself the ``nnx.Carry`` (sequences of
+uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is ``nnx.All(nnx.Param,
+nnx.PathContains(...))``, the step splitting the model by that filter with ``nnx.split`` /
+``nnx.merge``.
 Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
 back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
 """
