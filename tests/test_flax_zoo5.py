@@ -193,7 +193,8 @@ def decode_step(params, cache, token, position, *, vocab: int):
 @pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch):
   """Several decode steps, the cache and token fed back: the cache's specs are its boxes' logical
-  names (batch over "data", heads over "model") and it comes back split as it went in."""
+  names (batch over "data", heads over "model") and it comes back split as it went in; no more
+  bytes than XLA's partitioner moves for the same step."""
   vocab = 32
   params, param_specs = init_decoder(vocab, batch)
   token = jnp.asarray(np.random.default_rng(0).integers(1, vocab, (batch, 1)), jnp.int32)
@@ -215,7 +216,9 @@ def test_linen_decode_cache_split_over_heads_and_batch(mesh, batch):
   split = nn.logical_to_mesh_sharding(cache_specs, mesh, LM_RULES)
   assert all(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim),
                                           got[0], split)))
-  check_plan(decode, params, cache, token, jnp.zeros((1, 1), jnp.int32))
+  args = (params, cache, token, jnp.zeros((1, 1), jnp.int32))
+  plan = check_plan(decode, *args)
+  assert plan.total_bytes <= xla_bytes(step, args, plan.in_specs, mesh, plan.out_specs)
 
 
 # --- nnx.vmap ensemble: params, batch statistics and dropout streams vmapped by StateAxes --------
