@@ -26,8 +26,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop,
-                     xla_bytes)
+from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
+                     nnx_steps, randn, train_loop, xla_bytes)
 from test_flax_zoo import scan_stack_step  # a classifier's adam step over an NNX model
 
 
@@ -289,6 +289,17 @@ def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
                             rules=ENSEMBLE_RULES)
   assert model.members.norm.mean.shape == (MEMBERS, 16)
 
+
+
+def test_prng_key_array_split_unevenly_as_an_argument():
+  """The fix above at its root, without flax: a key array argument split unevenly (3 rows over
+  4 devices) is padded by its key data before the program runs, and its keys fold and draw
+  as jax.jit's."""
+  def draw(keys):
+    folded = jax.vmap(jax.vmap(jax.random.fold_in))(keys, jnp.arange(15).reshape(3, 5))
+    return jax.vmap(jax.vmap(lambda k: jax.random.bits(k, (2,))))(folded)
+
+  assert_partitioned_matches(draw, (jax.random.split(jax.random.key(0), (3, 5)),), P("x"), "x4")
 
 # --- nnx.scan over time, the recurrent cell itself the carry; sequences of uneven lengths -------
 
