@@ -6,11 +6,11 @@ split over heads and batch, several decode steps fed back), trained on packed ex
 its vocabulary (250) uneven over "model" or its rows' positions split (sequence parallel), no
 more bytes than XLA's; an ``nnx.vmap`` ensemble whose members' params, batch statistics and
 dropout streams are vmapped by ``nnx.StateAxes`` and named "members" by ``transform_metadata``
-(3 members over 4 devices); ``nnx.scan`` over layers split over "model" (``nnx.remat`` with a
-policy inside) and over time with the recurrent cell itself the ``nnx.Carry`` (sequences of
-uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is ``nnx.All(nnx.Param,
-nnx.PathContains(...))``, the step splitting the model by that filter with ``nnx.split`` /
-``nnx.merge``.
+(3 members over 4 devices: their keys padded, as an uneven key argument's); ``nnx.scan`` over
+layers split over "model" (``nnx.remat`` with a policy inside) and over time with the recurrent
+cell itself the ``nnx.Carry`` (sequences of uneven lengths masked); and an ``nnx.Optimizer``
+whose ``wrt`` is ``nnx.All(nnx.Param, nnx.PathContains(...))``, the step splitting the model by
+that filter with ``nnx.split`` / ``nnx.merge``.
 Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
 back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
 """
@@ -292,9 +292,9 @@ def test_nnx_vmap_ensemble_state_axes_members_named_over_model(mesh, batch):
 
 
 def test_prng_key_array_split_unevenly_as_an_argument():
-  """The fix above at its root, without flax: a key array argument split unevenly (3 rows over
-  4 devices) is padded by its key data before the program runs, and its keys fold and draw
-  as jax.jit's."""
+  """The ensemble's regression at its root, without flax: a key array argument split unevenly
+  (3 rows over 4 devices) is padded by its key data before the program runs, and its keys fold
+  and draw as unpartitioned."""
   def draw(keys):
     folded = jax.vmap(jax.vmap(jax.random.fold_in))(keys, jnp.arange(15).reshape(3, 5))
     return jax.vmap(jax.vmap(lambda k: jax.random.bits(k, (2,))))(folded)
