@@ -3,14 +3,14 @@ spmd.partition on the ("data", "model") meshes: lm1b's decoder, its blocks under
 with its own attention whose "cache" collection is boxed by logical names (the stacked cache
 split over heads and batch, several decode steps fed back), trained on packed examples
 (segment-aware shift and masks, positions) with lm1b's label-smoothed loss weighted by padding,
-its vocabulary (250) uneven over "model" or its rows' positions split (sequence parallel), no
-more bytes than XLA's; an ``nnx.vmap`` ensemble whose members' params, batch statistics and
-dropout streams are vmapped by ``nnx.StateAxes`` and named "members" by ``transform_metadata``
-(3 members over 4 devices: their keys padded, as an uneven key argument's); ``nnx.scan`` over
-layers split over "model" (``nnx.remat`` with a policy inside) and over time with the recurrent
-cell itself the ``nnx.Carry`` (sequences of uneven lengths masked); and an ``nnx.Optimizer``
-whose ``wrt`` is ``nnx.All(nnx.Param, nnx.PathContains(...))``, the step splitting the model by
-that filter with ``nnx.split`` / ``nnx.merge``.
+its vocabulary (250) uneven over "model", no more bytes than XLA's; an ``nnx.vmap`` ensemble
+whose members' params, batch statistics and dropout streams are vmapped by ``nnx.StateAxes``
+and named "members" by ``transform_metadata`` (3 members over 4 devices: their keys padded, as
+an uneven key argument's); ``nnx.scan`` over layers split over "model" (``nnx.remat`` with a
+policy inside) and over time with the recurrent cell itself the ``nnx.Carry`` (sequences of
+uneven lengths masked); and an ``nnx.Optimizer`` whose ``wrt`` is ``nnx.All(nnx.Param,
+nnx.PathContains(...))``, the step splitting the model by that filter with ``nnx.split`` /
+``nnx.merge``.
 Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
 back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
 """
@@ -35,9 +35,6 @@ from test_flax_zoo import scan_stack_step  # a classifier's adam step over an NN
 
 LM_RULES = (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
             ("embed", None), ("kv", None), ("length", None), ("layers", None))
-# sequence parallel: the packed rows' positions split over "model", the params whole
-LENGTH_RULES = (("batch", "data"), ("length", "model"), ("vocab", None), ("heads", None),
-                ("mlp", None), ("embed", None), ("kv", None), ("layers", None))
 LENGTH, EMBED, HEADS = 8, 16, 4
 
 
@@ -163,22 +160,19 @@ def init_decoder(vocab: int, batch: int):
   return nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
 
 
-@pytest.mark.parametrize("rules,table", [(LM_RULES, P("model", None)),
-                                         (LENGTH_RULES, P(None, None))])
-def test_lm1b_packed_weighted_label_smoothing_uneven_vocab(rules, table):
+def test_lm1b_packed_weighted_label_smoothing_uneven_vocab():
   """Two steps on packed rows, padding weighted out of the label-smoothed loss; the vocabulary
-  (250 rows of the embedding, 250 logits) split unevenly over "model", or the rows' positions
-  (the segment-aware shift crossing shards); no more bytes than XLA's partitioner moves for the
-  same step."""
+  (250 rows of the embedding, 250 logits) split unevenly over "model"; no more bytes than XLA's
+  partitioner moves for the same step."""
   vocab, tx, mesh = 250, optax.adamw(1e-2, weight_decay=0.1), mesh_of("2x4")
   params, param_specs = init_decoder(vocab, 4)
   step = lambda *args: lm1b_train_step(*args, vocab=vocab, tx=tx)  # noqa: E731
   batches = [packed_batch(4, vocab, seed) for seed in range(2)]
-  state, rows = (params, tx.init(params)), P("batch", "length")
+  state, rows = (params, tx.init(params)), P("batch")
   plan = train_loop(jax.jit(step), spmd.partition(
-      step, mesh=mesh, in_specs=(param_specs, None, rows, rows, rows), rules=rules),
+      step, mesh=mesh, in_specs=(param_specs, None, rows, rows, rows), rules=LM_RULES),
                     state, batches, rtol=1e-4, atol=1e-5)
-  assert plan.in_specs[0]["Embed_0"]["embedding"] == table
+  assert plan.in_specs[0]["Embed_0"]["embedding"] == P("model", None)
   resolved = (plan.in_specs[0], None, *plan.in_specs[2:])
   assert plan.total_bytes <= xla_bytes(step, (*state, *batches[0]), resolved, mesh)
 
