@@ -239,18 +239,25 @@ def assert_plan_is_hlo(plan: spmd.Plan, hlo_text: str) -> None:
 def xla_bytes(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
               out_specs: Any = None) -> int:
   """Per-device bytes of the collectives XLA's own partitioner compiles for ``fn`` given the
-  same specs as ``jax.jit``'s in/out shardings (an argument split unevenly, which ``jax.jit``
-  cannot take, arrives replicated and is constrained to its spec first: a local slice)."""
+  same specs as ``jax.jit``'s in/out shardings (an argument, or a leaf of one, split unevenly,
+  which ``jax.jit`` cannot take, arrives replicated and is constrained to its spec first: a
+  local slice)."""
   mesh = as_mesh(mesh)
   specs = (in_specs,) if is_spec(in_specs) else tuple(in_specs)
-  even = [s is None or _divides(s, np.shape(a), mesh) for a, s in zip(args, specs)]
+  even = tuple(jax.tree_util.tree_map(
+      lambda s, a: s is None or _divides(s, np.shape(a), mesh), s, a, is_leaf=is_spec)
+      for s, a in zip(specs, args))
+
+  def constrain(s: Any, ok: bool, x: Any) -> Any:
+    return x if ok else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
 
   def constrained(*xs: Any) -> Any:
-    return fn(*(x if ok else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
+    return fn(*(jax.tree_util.tree_map(constrain, s, ok, x, is_leaf=is_spec)
                 for x, s, ok in zip(xs, specs, even)))
 
   jitted = jax.jit(constrained, out_shardings=named(mesh, out_specs), in_shardings=tuple(
-      named(mesh, s) if ok else None for s, ok in zip(specs, even)))
+      jax.tree_util.tree_map(lambda s, ok: NamedSharding(mesh, s) if ok and isinstance(s, P)
+                             else None, s, ok, is_leaf=is_spec) for s, ok in zip(specs, even)))
   return sum(c.bytes for c in collectives(jitted.lower(*args).compile().as_text()))
 
 

@@ -342,9 +342,15 @@ class DynamicSlice(_Split):
 
 def pad_to(x: jax.Array, shape: Shape) -> jax.Array:
   """``x`` padded at the end of every dim shorter than ``shape`` (whole uneven dims about to be
-  split)."""
+  split); a PRNG key array by its key data (no key is zero: the padding is never read)."""
   widths = [(0, max(0, n - m)) for n, m in zip(shape, x.shape)]
-  return jnp.pad(x, widths) if any(w for _, w in widths) else x
+  if not any(w for _, w in widths):
+    return x
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = jax.random.key_data(x)
+    return jax.random.wrap_key_data(jnp.pad(data, widths + [(0, 0)] * (data.ndim - x.ndim)),
+                                    impl=jax.random.key_impl(x))
+  return jnp.pad(x, widths)
 
 
 def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
