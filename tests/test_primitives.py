@@ -559,6 +559,22 @@ def test_concatenate_of_a_broadcast_zero_and_a_piece():
   assert_partitioned_matches(fn, (randn(8, 16),), P("a", "b"), "a2b4", like_jit=True)
 
 
+def test_program_order_call_is_inlined():
+  """jax 0.11's ``jax.experimental.overlap.program_order`` binds a call primitive
+  (``program_order``) that JAX lowers as a plain call under jit: its body is partitioned with
+  the ops around it."""
+  overlap = pytest.importorskip("jax.experimental.overlap")
+  if not hasattr(overlap, "program_order"):
+    pytest.skip(f"jax {jax.__version__} has no program_order")
+
+  def fn(x, w):
+    h = overlap.program_order(lambda a, b: jnp.tanh(a @ b), enforce=False)(x, w)
+    return h.sum(1)
+
+  assert_partitioned_matches(fn, (randn(8, 16), randn(16, 8, seed=1)), (P("a", "b"), P("b")),
+                             "a2b4", like_jit=True)
+
+
 # --- gather and scatter --------------------------------------------------------------------------
 
 GATHER = [
