@@ -81,7 +81,13 @@ def _run_transformer(config: transformer.Config, strategy: str) -> spmd.Plan:
   init, tx, step = _training(config)
   partitioned, state = _partitioned_step(config, strategy)
   want = jax.jit(_unpartitioned_state(init, tx))(jax.random.key(0))
-  assert_trees_match(state, want, rtol=0, atol=0)  # the partitioned init draws the same values
+  # The partitioned init draws what jax.jit draws into the same layouts, bit for bit, and the
+  # unpartitioned values within rounding (XLA:CPU's erf_inv behind normal initializers can round
+  # a value 1 ulp apart for another block shape: jax 0.12 on AVX-512, under jax.jit too).
+  same_layouts = jax.jit(_unpartitioned_state(init, tx),
+                         out_shardings=jax.tree.map(lambda x: x.sharding, state))
+  assert_trees_match(state, same_layouts(jax.random.key(0)), rtol=0, atol=0)
+  assert_trees_match(state, want)
   plan = partitioned.plan(state, tokens[0])
   assert not [w for w in plan.warnings if "replicated" in w], plan.warnings
   reference = jax.jit(step)
