@@ -97,7 +97,7 @@ INLINED_CALLS = {
     "custom_jvp_call_jaxpr": "fun_jaxpr", "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
     "remat2": "jaxpr", "checkpoint": "jaxpr", "linear_call": "callee",
-    "program_order": "call_jaxpr",  # jax 0.11's jax.experimental.overlap: a call under jit
+    "program_order": "call_jaxpr",  # jax.experimental.overlap (0.11+): a call under jit
 }
 
 
