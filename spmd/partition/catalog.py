@@ -29,7 +29,7 @@ ELEMENTWISE_UNARY = """sign floor ceil round is_finite exp exp2 log log1p log2 e
 sin cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv
 lgamma digamma bessel_i0e bessel_i1e integer_pow square one_minus_square reduce_precision
 population_count clz stop_gradient zeros_like random_seed random_fold_in random_clone
-random_gamma layout_constraint""".split()
+layout_constraint""".split()
 ELEMENTWISE_NARY = """pow max min nextafter atan2 and or xor eq ne lt le gt ge eq_to le_to lt_to
 rem shift_left shift_right_logical shift_right_arithmetic complex igamma igammac igamma_grad_a
 random_gamma_grad polygamma zeta regularized_incomplete_beta clamp threefry2x32 threefry4x32
@@ -238,6 +238,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # random numbers
       (("random_bits",), PrimitiveInfo(random.random_bits, local=local.random_bits)),
       (("random_split",), PrimitiveInfo(random.random_split)),
+      (("random_gamma",), PrimitiveInfo(random.gamma, local=local.random_gamma)),
       (("random_wrap",), PrimitiveInfo(random.wrap)),
       (("random_unwrap",), PrimitiveInfo(random.unwrap)),
       # linear algebra and FFTs: batch dims pass

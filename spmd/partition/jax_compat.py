@@ -107,3 +107,15 @@ def under_jit() -> bool:
   than running eagerly (eager ``jax.grad`` and ``jax.vmap`` see concrete values)."""
   return src_core.unsafe_am_i_under_a_jit()
 
+
+
+def gamma_one() -> Any:
+  """JAX's draw of one gamma variate from one key (``_gamma_one(key, alpha, log_space)``), which
+  ``random_gamma`` maps over keys split per element; private in every release (0.10 to 0.12 keep
+  it in jax._src.random.core, earlier layouts in jax._src.random)."""
+  for name in ("jax._src.random.core", "jax._src.random"):
+    try:
+      return importlib.import_module(name)._gamma_one
+    except (ImportError, AttributeError):
+      continue
+  raise NotImplementedError("this JAX release has no _gamma_one for random_gamma's rule")

@@ -7,6 +7,7 @@ into owned rows) have a function here, named in their record in ``catalog.py``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -21,6 +22,7 @@ from spmd.partition.devices import shard_index
 from spmd.partition.halo import mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Mirror, Rotation, geometry
 from spmd.partition.ir import Op, Value
+from spmd.partition.jax_compat import gamma_one
 from spmd.partition.primitives import bind, describe, operands
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -335,23 +337,43 @@ def random_bits(local: Local, args: list) -> list:
   p, key = local.op.params, args[0]
   if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
     return bind(local.op, args)
-  shape, global_shape = local.out_shape(), tuple(p["shape"])
+  global_shape = tuple(p["shape"])
   impl = jax.random.key_impl(key)
   if (not local.writes[0].axes or "threefry" not in str(impl)
       or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
     return _whole_then_slice(local, args)
-  strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
-  counts = jnp.zeros(shape, jnp.uint32)
-  for d, n in enumerate(shape):
-    idx = lax.broadcasted_iota(jnp.uint32, shape, d)
-    if local.writes[0].dims[d]:
-      idx = idx + local.offset(local.writes[0], d, n).astype(jnp.uint32)
-    counts = counts + idx * jnp.uint32(strides[d])
+  counts = _flat_positions(local, 0)
   k1, k2 = jax.random.key_data(key)
   bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros_like(counts), counts)
   bits = bits1 ^ bits2
   dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[p["bit_width"]]
   return [bits.astype(dtype)]
+
+
+def random_gamma(local: Local, args: list) -> list:
+  """JAX draws element i of a gamma's trailing dims (those past its key's) from split(key)[i],
+  i its flat position among them: each device splits its keys whole and keeps its block's."""
+  key, alpha = args
+  lead, count = key.ndim, math.prod(local.op.outputs[0].shape[key.ndim:])
+  keys = jax.vmap(lambda k: jax.random.key_data(jax.random.split(k, count)))(key.reshape(-1))
+  positions = jnp.minimum(_flat_positions(local, lead), count - 1)  # padding reads the last
+  keys = jnp.take_along_axis(keys, positions.reshape(keys.shape[0], -1, 1), axis=1)
+  keys = jax.random.wrap_key_data(keys.reshape(-1, 2), impl=jax.random.key_impl(key))
+  draw = functools.partial(gamma_one(), log_space=local.op.params["log_space"])
+  return [jax.vmap(draw)(keys, alpha.reshape(-1)).reshape(alpha.shape)]
+
+
+def _flat_positions(local: Local, first: int) -> jax.Array:
+  """uint32 positions of this device's block of output 0 in the flat global order of its dims
+  from ``first`` on, per element of the block."""
+  shape, global_shape = local.out_shape(), local.op.outputs[0].shape
+  positions = jnp.zeros(shape, jnp.uint32)
+  for d in range(first, len(shape)):
+    idx = lax.broadcasted_iota(jnp.uint32, shape, d)
+    if local.writes[0].dims[d]:
+      idx = idx + local.offset(local.writes[0], d, shape[d]).astype(jnp.uint32)
+    positions = positions + idx * jnp.uint32(math.prod(global_shape[d + 1:]))
+  return positions
 
 
 def _whole_then_slice(local: Local, args: list) -> list:

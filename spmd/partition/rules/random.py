@@ -17,6 +17,14 @@ def random_split(op: Op) -> OpShardingRule:
   return _generate(op, WHOLE)
 
 
+def gamma(op: Op) -> OpShardingRule:
+  """Per element of alpha, keyed by its key's dims (alpha's leading ones) and its position in
+  the rest (local.random_gamma)."""
+  b = RuleBuilder()
+  dims = b.factors(op.outputs[0].shape)
+  return b.build([dims[:op.inputs[0].aval.ndim], dims], [dims])
+
+
 def _generate(op: Op, per_key: FactorKind) -> OpShardingRule:
   keys, out = op.inputs[0].aval.shape, op.outputs[0].shape
   b = RuleBuilder()
