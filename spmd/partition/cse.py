@@ -69,7 +69,7 @@ def _merge(visits: list[tuple[int, Op]], keeps: Callable[[Value, Value], bool],
         names[op.outputs[0]] = names.get(source, source)
       continue
     key = cse_key(op, lambda v: names.get(v, v))
-    if key is None:
+    if key is None or op.regions:  # ops with regions merge before propagation (ir.py)
       continue
     first = seen.setdefault((scope, key, results(op)), op)
     if first is not op:

@@ -62,9 +62,13 @@ class Op:
 
   @functools.cached_property
   def merge_params(self) -> tuple | None:
-    """Primitive and params as ``cse_key`` compares them (None for ops never merged)."""
+    """Primitive and params as ``cse_key`` compares them (None for ops never merged). An op
+    with regions (a loop, a cond) merges when every op of its regions would: its params hold
+    its jaxprs, equal only when they are one traced function (a jitted helper called twice, as
+    ``jnp.lcm`` calls ``jnp.gcd``), which XLA's CSE merges too."""
     info = describe(self.eqn.primitive)
-    if self.regions or self.eqn.effects or (info is not None and info.stateful):
+    if self.eqn.effects or (info is not None and info.stateful) or any(
+        op.merge_params is None for region in self.regions for op in region.ops):
       return None
     params = _canonical_slice(self) if self.primitive == "slice" else dict(self.params)
     if info is None or info.annotation is None:
@@ -511,7 +515,8 @@ def _substitute(ops: list[Op], names: dict[Value, Atom]) -> None:
 def _movable(op: Op, inside: set[Value]) -> bool:
   """Pure, reading at least one value and none defined ``inside`` the body."""
   values = [a for a in op.inputs if isinstance(a, Value)]
-  return bool(values) and not inside.intersection(values) and cse_key(op) is not None
+  return (bool(values) and not inside.intersection(values) and not op.regions
+          and cse_key(op) is not None)
 
 
 _SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
