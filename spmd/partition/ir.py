@@ -525,7 +525,8 @@ _SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 def _reshapes_in_effect(op: Op) -> bool:
   """Whether ``op`` keeps its operand's elements in their row-major order and only re-lays them
   in another shape: a reshape, a squeeze, a broadcast adding size-1 dims, a reduction over size-1
-  dims (XLA's simplifier makes each of them a reshape)."""
+  dims, a transpose moving only size-1 dims, a rev of size-1 dims, a slice of the whole operand
+  (XLA's simplifier makes each of them a reshape, or nothing)."""
   if not op.inputs or not isinstance(op.inputs[0], Value) or len(op.outputs) != 1:
     return False
   source, result = op.inputs[0], op.outputs[0]
@@ -533,6 +534,13 @@ def _reshapes_in_effect(op: Op) -> bool:
     return False
   if op.primitive == "reshape":
     return op.params.get("dimensions") is None
+  if op.primitive == "transpose":
+    moved = [d for d in op.params["permutation"] if source.shape[d] != 1]
+    return moved == sorted(moved)
+  if op.primitive == "rev":
+    return all(source.shape[d] == 1 for d in op.params["dimensions"])
+  if op.primitive == "slice":
+    return result.shape == source.shape and not any(op.params["start_indices"])
   return op.primitive in ("squeeze", "broadcast_in_dim", *_SIZE_ONE_REDUCTIONS)
 
 
