@@ -524,9 +524,10 @@ _SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 def _reshapes_in_effect(op: Op) -> bool:
   """Whether ``op`` keeps its operand's elements in their row-major order and only re-lays them
-  in another shape: a reshape, a squeeze, a broadcast adding size-1 dims, a reduction over size-1
-  dims, a transpose moving only size-1 dims, a rev of size-1 dims, a slice of the whole operand
-  (XLA's simplifier makes each of them a reshape, or nothing)."""
+  in another shape: a reshape, a squeeze (or an unstack of a size-1 dim, jax 0.11's squeeze in
+  lexsort), a broadcast adding size-1 dims, a reduction over size-1 dims, a transpose moving
+  only size-1 dims, a rev of size-1 dims, a slice of the whole operand (XLA's simplifier makes
+  each of them a reshape, or nothing)."""
   if not op.inputs or not isinstance(op.inputs[0], Value) or len(op.outputs) != 1:
     return False
   source, result = op.inputs[0], op.outputs[0]
@@ -541,7 +542,7 @@ def _reshapes_in_effect(op: Op) -> bool:
     return all(source.shape[d] == 1 for d in op.params["dimensions"])
   if op.primitive == "slice":
     return result.shape == source.shape and not any(op.params["start_indices"])
-  return op.primitive in ("squeeze", "broadcast_in_dim", *_SIZE_ONE_REDUCTIONS)
+  return op.primitive in ("squeeze", "unstack", "broadcast_in_dim", *_SIZE_ONE_REDUCTIONS)
 
 
 def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | None:
