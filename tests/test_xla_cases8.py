@@ -252,6 +252,15 @@ def test_concatenate_three_tilings():  # ConcatenateAlongPartitionedDimension, t
   assert plan.total_bytes == 64, plan.explain()
 
 
+def test_concatenate_replicated_piece_uneven_3d():  # the same beside an uneven piece, bf16
+  """bf16 x[4,3] P('a') before y[4,9] P(None,('b','c')) into P('a',('b','c')): x is padded into
+  place, 24 B (XLA 132 B; was 40 B, x sliced and exchanged too)."""
+  plan = no_more_than_xla(lambda x, y: jnp.concatenate([x, y], 1),
+                          (randn(4, 3, dtype=BF16), randn(4, 9, seed=1, dtype=BF16)),
+                          (P("a"), P(None, ("b", "c"))), "a2b2c2", P("a", ("b", "c")))
+  assert plan.total_bytes == 24, plan.explain()
+
+
 # --- Control flow with annotations inside the body ---------------------------------------------
 
 def test_while_carry_reannotated_in_body():  # While, the body constrains its carry elsewhere
