@@ -9,9 +9,11 @@ init and with a resharded output; variadic argmin on 2x2x2; parallel-index gathe
 2x2x2, `take` in clip and fill modes; clamp, select, broadcast, iota and bitcast-convert with
 operands of other tilings; transposes and two-axis reshapes on 3-D meshes; traced dynamic update
 slices, pad-then-slice chains, concatenates of three tilings; and loops and conditionals whose
-carries are re-annotated inside the body. Each test names the XLA test it mirrors (or the family
-it extends), checks values, plan == compiled HLO and no replicated fallback (tests/helpers.py),
-and that spmd moves no more bytes per device than XLA's own partitioner with the same specs."""
+carries are re-annotated inside the body; and the gaps closed this round (a generic reduce with an
+idempotent computation all-reduced, a concatenate's replicated pieces read whole). Each test
+names the XLA test it mirrors (or the family it extends), checks values, plan == compiled HLO
+and no replicated fallback (tests/helpers.py), and that spmd moves no more bytes per device than
+XLA's own partitioner with the same specs."""
 from __future__ import annotations
 
 import jax
