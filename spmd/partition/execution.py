@@ -157,6 +157,7 @@ class ExecutionPlanner:
       choices.update(dict.fromkeys(moved for axes in list(choices)
                                    for moved in _relocations(axes, c.rule, from_operands)))
     options = [_execute(c, axes, self.mesh) for axes in choices]
+    options += [ex for ex in (_reading_whole(o, shardings, self.mesh) for o in options) if ex]
     if len(options) == 1:
       return [_Option(options[0], 0, ())]
     return [_Option(ex, ex.gather_bytes(self.mesh, self.wire) + sum(
@@ -183,10 +184,16 @@ class _Option:
         for v, made, moved in zip(results, self.execution.produces, self.result_bytes))
 
 
-def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Execution:
+def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape,
+             whole: frozenset[WindowedDim] = frozenset()) -> Execution:
+  """``c`` run with ``axes`` per factor; the windowed dims ``whole`` read whole, unexchanged."""
   rule = c.rule
   needs = tuple(None if v is None or tf is None else _sharding(tf, axes)
                 for v, tf in zip(c.operands, rule.operands))
+  for w in whole:
+    dims = list(needs[w.operand].dims)
+    dims[w.dim] = ()
+    needs = needs[:w.operand] + (TensorSharding(tuple(dims)),) + needs[w.operand + 1:]
   partial = tuple(a for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                   for a in axes[f])
   pending = () if rule.gathers else partial  # such an op combines its partial results itself
@@ -194,9 +201,21 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape) -> Executio
                    TensorSharding(_sharding(tf, axes).dims, pending,
                                   rule.combiner if pending else "sum")
                    for v, tf in zip(c.results, rule.results))
-  halos = joint_mirrors(tuple(h for w in rule.windows if axes[w.factor]
+  halos = joint_mirrors(tuple(h for w in rule.windows if axes[w.factor] and w not in whole
                              for h in _halos(w, axes[w.factor], mesh)))
   return Execution(c, axes, needs, produces, halos)
+
+
+def _reading_whole(ex: Execution, shardings: Mapping[Value, TensorSharding],
+                   mesh: MeshShape) -> Execution | None:
+  """``ex`` with the sharded windowed dims that may be read whole and that their operands hold
+  whole read so, with no exchange (a replicated operand of a concatenate); None if there are
+  none."""
+  c = ex.constraint
+  whole = frozenset(w for w in c.rule.windows if w.readable_whole and ex.factor_axes[w.factor]
+                    and c.operands[w.operand] is not None
+                    and not shardings[c.operands[w.operand]].dims[w.dim])
+  return _execute(c, ex.factor_axes, mesh, whole) if whole else None
 
 
 def _halos(w: WindowedDim, axes: Axes, mesh: MeshShape) -> tuple[Exchange, ...] | None:

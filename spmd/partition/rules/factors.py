@@ -70,6 +70,7 @@ class WindowedDim:
   dim: int
   window: Window
   mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev; "rotate": roll
+  readable_whole: bool = False  # the op may instead read the dim whole (a concatenate's operand)
 
 
 @dataclass
@@ -88,13 +89,13 @@ class RuleBuilder:
     return len(self.sizes) - 1
 
   def windowed(self, operand: int, dim: int, window: Window, mode: str = "window",
-               factor: int | None = None) -> int | None:
+               factor: int | None = None, readable_whole: bool = False) -> int | None:
     """A HALO factor shared by the operand dim and the result dim it slides along (``factor``:
-    another operand's window over an existing one)."""
+    another operand's window over an existing one; ``readable_whole``: see WindowedDim)."""
     f = factor if factor is not None else self.factor(
         window.out if mode == "window" else window.size, FactorKind.HALO)
     if f is not None and (window.size > 1 or window.out > 1):  # one row padded to many too
-      self.windows.append(WindowedDim(f, operand, dim, window, mode))
+      self.windows.append(WindowedDim(f, operand, dim, window, mode, readable_whole))
     return f
 
   def factors(self, sizes: Sequence[int], kind: FactorKind = FactorKind.PASS) -> list[int | None]:

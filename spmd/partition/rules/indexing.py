@@ -91,7 +91,8 @@ def roll_dynamic(op: Op) -> OpShardingRule:
 
 def concatenate(op: Op) -> OpShardingRule:
   """Operand k reads the concatenated dim through a window of one row shifted by its offset: a
-  halo factor over the result that every operand longer than one row shares."""
+  halo factor over the result that every operand longer than one row shares; an operand held
+  whole along it may be read whole instead (padded into place, no exchange)."""
   dim, out = op.params["dimension"], op.outputs[0].shape
   b = RuleBuilder()
   shared = {d: b.factor(n) for d, n in enumerate(out) if d != dim}
@@ -100,7 +101,7 @@ def concatenate(op: Op) -> OpShardingRule:
   for k, x in enumerate(op.inputs):
     n = x.aval.shape[dim]
     f = b.windowed(k, dim, Window(n, out[dim], lo=offset, hi=out[dim] - offset - n),
-                   factor=joined) if n > 1 else None
+                   factor=joined, readable_whole=True) if n > 1 else None
     operands.append([f if d == dim else shared[d] for d in range(len(out))])
     offset += n
   return b.build(operands, [[joined if d == dim else shared[d] for d in range(len(out))]])

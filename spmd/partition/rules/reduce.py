@@ -52,16 +52,42 @@ def arg_reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
   return rule
 
 
+# Computations of a one-array ``reduce`` whose per-shard results an all-reduce combines: the
+# idempotent ones, so the init each shard folds in counts once (or / and on booleans only).
+_IDEMPOTENT = {"max": "max", "min": "min", "or": "max", "and": "min"}
+
+
+def all_reduce_combiner(op: Op) -> str | None:
+  """The all-reduce ("max" or "min") that combines the per-shard results of a one-array generic
+  ``reduce`` (``lax.reduce`` with an init JAX does not take for the identity) whose computation
+  is max, min, or, and of its two arguments; None for any other."""
+  jaxpr = op.params["jaxpr"].jaxpr
+  if len(op.inputs) != 2 or len(jaxpr.eqns) != 1:
+    return None
+  (eqn,) = jaxpr.eqns
+  name = eqn.primitive.name
+  if name in ("or", "and") and op.inputs[0].aval.dtype != jnp.bool_:
+    return None
+  args = list(jaxpr.invars)
+  if list(eqn.invars) not in (args, args[::-1]) or list(eqn.outvars) != list(jaxpr.outvars):
+    return None
+  return _IDEMPOTENT.get(name)
+
+
 def variadic_reduce(op: Op) -> OpShardingRule:
   """The generic ``reduce`` (any computation, several operands): each shard is reduced, the
   per-shard results all-gathered over a sharded reduced dim and reduced again (padding masked
-  with the init values, ``combiner`` "init")."""
+  with the init values, ``combiner`` "init"); or, for an idempotent computation
+  (``all_reduce_combiner``), all-reduced as reduce_max / reduce_min's are."""
   shape = op.inputs[0].aval.shape
   axes = set(op.params["dimensions"])
   b = RuleBuilder()
   operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
              for d, n in enumerate(shape)]
   result = [f for d, f in enumerate(operand) if d not in axes]
+  combiner = all_reduce_combiner(op)
+  if combiner:
+    return b.build([operand, None], [result], combiner=combiner)
   arrays = len(op.inputs) // 2
   return b.build([operand] * arrays + [None] * arrays, [result] * len(op.outputs),
                  combiner="init", gathers=tuple(v.aval.dtype for v in op.outputs),
