@@ -1,0 +1,112 @@
+"""flax's own examples, a tenth round (google/flax examples/, the NNX guides and the linen
+lifted-transform docs), small and written as their users write them, run through spmd.partition
+on the ("data", "model") meshes: nlp_seq's Transformer encoder tagging parts of speech (padding
+weighted out, logical rules over "model", 45 tags uneven over 4), mixed precision as flax writes
+it (``dtype=bfloat16, param_dtype=float32`` layers, linen and NNX, the loss in float32), linen's
+lifted control flow inside a module (``nn.cond``, ``nn.switch``, ``nn.while_loop``,
+``nn.map_variables`` weight standardisation, ``nn.checkpoint`` with ``static_argnums``,
+``nn.custom_vjp``), NNX transforms (``nnx.DiffState`` argnums with ``has_aux``), the flax_gspmd
+guide's abstract init (``nnx.eval_shape``, the state made sharded by ``jax.jit(out_shardings=)``,
+in_specs from ``nnx.get_partition_spec``) and tied embeddings (``nnx.Embed.attend``) over a
+vocabulary of 250 uneven over "model".
+Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
+back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import (assert_partitioned_matches, mesh_of, named, nnx_steps, randn, train_loop)
+
+
+def logical(init, *names):
+  return nn.with_logical_partitioning(init, names)
+
+
+# --- nlp_seq: a Transformer encoder tagging parts of speech, padding weighted out ---------------
+
+TAG_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"), ("heads", "model"),
+             ("tags", "model"), ("vocab", None))
+EMBED, TAGS = 16, 45
+
+
+class EncoderBlock(nn.Module):
+  """nlp_seq's Encoder1DBlock: pre-norm self-attention and an MLP, dropout after each; the
+  attention's kernels named in the flat form DenseGeneral initializes them in."""
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, x, mask):
+    init = nn.initializers.lecun_normal()
+    y = nn.MultiHeadDotProductAttention(
+        num_heads=4, kernel_init=logical(init, "embed", "heads"),
+        out_kernel_init=logical(init, "heads", "embed"), deterministic=True)(
+            nn.LayerNorm()(x), mask=mask)
+    x = x + nn.Dropout(0.1, deterministic=self.deterministic)(y)
+    y = nn.relu(nn.Dense(32, kernel_init=logical(init, "embed", "mlp"))(nn.LayerNorm()(x)))
+    y = nn.Dense(EMBED, kernel_init=logical(init, "mlp", "embed"))(y)
+    return x + nn.Dropout(0.1, deterministic=self.deterministic)(y)
+
+
+class Tagger(nn.Module):
+  """nlp_seq's Transformer: token and learned position embeddings, an encoder block, a tag
+  classifier per token; attention masked by padding (token 0)."""
+  vocab: int
+  deterministic: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, EMBED, embedding_init=logical(nn.initializers.normal(1.0), "vocab",
+                                                           "embed"))(tokens)
+    x = x + self.param("pos", logical(nn.initializers.normal(0.02), None, "embed"),
+                       (1, tokens.shape[1], EMBED))
+    mask = nn.make_attention_mask(tokens > 0, tokens > 0)
+    x = EncoderBlock(self.deterministic)(x, mask)
+    return nn.Dense(TAGS, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "tags"))(
+        nn.LayerNorm()(x))
+
+
+def tagging_step(params, opt_state, tokens, tags, key, *, tx):
+  """nlp_seq's train_step: cross entropy per token, weighted by ``tags > 0`` (padding 0)."""
+  def loss_fn(params):
+    logits = Tagger(32).apply({"params": params}, tokens, rngs={"dropout": key})
+    weights = (tags > 0).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tags) * weights
+    return loss.sum() / weights.sum()
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def tagged_batch(batch: int, length: int, seed: int):
+  """Sentences of uneven lengths padded with 0: word ids and their tags (0 where padding)."""
+  rng = np.random.default_rng(seed)
+  live = np.arange(length)[None] < rng.integers(2, length + 1, (batch, 1))
+  tokens = np.where(live, rng.integers(1, 32, (batch, length)), 0).astype(np.int32)
+  tags = np.where(live, rng.integers(1, TAGS, (batch, length)), 0).astype(np.int32)
+  return jnp.asarray(tokens), jnp.asarray(tags), jax.random.key(seed)
+
+
+@pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
+def test_nlp_seq_pos_tagger_padding_weights_uneven_tags(mesh, batch):
+  """Two steps of momentum with dropout keys (not adam: the key projection's bias has a zero
+  gradient, softmax being shift-invariant, whose rounding adam would scale up): heads, mlp and the 45 tags split over "model" (uneven
+  over 4: the classifier's kernel and logits padded), sentences over "data"."""
+  tx = optax.sgd(0.1, momentum=0.9)
+  tokens = jnp.ones((batch, 8), jnp.int32)
+  variables = Tagger(32, deterministic=True).init(jax.random.key(0), tokens)
+  params, specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
+  step = lambda *args: tagging_step(*args, tx=tx)  # noqa: E731
+  rows = P("batch")
+  plan = train_loop(jax.jit(step), spmd.partition(
+      step, mesh=mesh_of(mesh), in_specs=(specs, None, rows, rows, None), rules=TAG_RULES),
+                    (params, tx.init(params)), [tagged_batch(batch, 8, s) for s in range(2)],
+                    rtol=1e-4, atol=1e-5)
+  assert plan.in_specs[0]["Dense_0"]["kernel"] == P(None, "model")
