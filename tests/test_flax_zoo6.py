@@ -110,3 +110,85 @@ def test_nlp_seq_pos_tagger_padding_weights_uneven_tags(mesh, batch):
                     (params, tx.init(params)), [tagged_batch(batch, 8, s) for s in range(2)],
                     rtol=1e-4, atol=1e-5)
   assert plan.in_specs[0]["Dense_0"]["kernel"] == P(None, "model")
+
+
+# --- mixed precision as flax writes it: bfloat16 compute, float32 params, the loss in float32 ----
+
+class HalfMLP(nn.Module):
+  """A classifier computing in bfloat16 over float32 params, its hidden features named "mlp"."""
+
+  @nn.compact
+  def __call__(self, x):
+    half = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    x = nn.LayerNorm(**half)(x)
+    x = nn.gelu(nn.Dense(32, kernel_init=logical(nn.initializers.lecun_normal(), "embed", "mlp"),
+                         **half)(x))
+    return nn.Dense(5, kernel_init=logical(nn.initializers.lecun_normal(), "mlp", None),
+                    **half)(x)
+
+
+def half_step(params, opt_state, x, labels, *, tx):
+  def loss_fn(params):
+    logits = HalfMLP().apply({"params": params}, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def test_linen_bfloat16_compute_float32_params():
+  """Three adam steps, each partitioned step from the reference's state (bfloat16 rounding would
+  compound): params and moments stay float32, the hidden features split over "model"."""
+  tx, x = optax.adam(1e-2), randn(8, 16)
+  variables = HalfMLP().init(jax.random.key(0), x)
+  params, specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
+  assert params["Dense_0"]["kernel"].dtype == jnp.float32
+  step = lambda *args: half_step(*args, tx=tx)  # noqa: E731
+  rules = (("embed", None), ("mlp", "model"))
+  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 5) for s in range(3)]
+  train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"),
+                                           in_specs=(specs, None, P("data"), P("data")),
+                                           rules=rules),
+             (params, tx.init(params)), batches, from_reference=True, rtol=2e-2, atol=2e-2)
+
+
+class HalfBlock(nnx.Module):
+  """The NNX mixed-precision pattern: every layer ``dtype=bfloat16, param_dtype=float32``."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    half = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, **half)
+    self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), (None, "model")), **half)
+    self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ("model", None)), **half)
+    self.head = nnx.Linear(16, 3, **half)
+
+  def __call__(self, x):
+    x = x + self.down(nnx.relu(self.up(self.norm(x))))
+    return self.head(x)
+
+
+def nnx_half_step(model, optimizer, x, labels):
+  def loss_fn(model):
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_nnx_bfloat16_compute_float32_params():
+  """Two sgd steps of an NNX block in bfloat16 over float32 params split over "model"; the
+  loss in float32."""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = HalfBlock(nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 3) for s in range(2)]
+  _, (model, _) = nnx_steps(nnx_half_step, fresh, mesh_of("2x4"),
+                            (None, None, P("data"), P("data")), batches, rtol=2e-2, atol=2e-2)
+  assert model.up.kernel.dtype == jnp.float32
