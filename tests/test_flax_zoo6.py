@@ -192,3 +192,103 @@ def test_nnx_bfloat16_compute_float32_params():
   _, (model, _) = nnx_steps(nnx_half_step, fresh, mesh_of("2x4"),
                             (None, None, P("data"), P("data")), batches, rtol=2e-2, atol=2e-2)
   assert model.up.kernel.dtype == jnp.float32
+
+
+# --- linen's lifted control flow inside a module: nn.cond, nn.switch, nn.while_loop -------------
+
+class Routed(nn.Module):
+  """The lifted-transform docs' cond and switch: ``nn.cond`` applies one Dense (made in either
+  branch under one name) or its negation, each branch counting its calls in "state";
+  ``nn.switch`` one of three heads (every branch run at init, as the docs do, so each makes its
+  params)."""
+
+  @nn.compact
+  def __call__(self, x, pred, index):
+    self.variable("state", "true_count", lambda: jnp.array(0, jnp.int32))
+    self.variable("state", "false_count", lambda: jnp.array(0, jnp.int32))
+    dense = lambda: nn.Dense(32, name="dense", kernel_init=logical(  # noqa: E731
+        nn.initializers.lecun_normal(), "embed", "mlp"))
+
+    def true_fn(mdl, x):
+      mdl.variable("state", "true_count").value += 1
+      return nn.relu(dense()(x))
+
+    def false_fn(mdl, x):
+      mdl.variable("state", "false_count").value += 1
+      return -nn.relu(dense()(x))
+
+    def head(i):
+      return lambda mdl, h: nn.Dense(4, name=f"head{i}", kernel_init=logical(
+          nn.initializers.lecun_normal(), "mlp", None))(h) * (i + 1)
+
+    h = nn.cond(pred, true_fn, false_fn, self, x)
+    branches = [head(i) for i in range(3)]
+    if self.is_initializing():
+      for branch in branches:
+        branch(self, h)
+    return nn.switch(index, branches, self, h)
+
+
+def routed_step(params, state, opt_state, x, labels, pred, index, *, tx):
+  def loss_fn(params):
+    logits, mutated = Routed().apply({"params": params, **state}, x, pred, index,
+                                     mutable=["state"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), mutated
+
+  (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), state, opt_state, loss
+
+
+def test_linen_lifted_cond_and_switch_train_step():
+  """Three steps, each taking another branch of the cond and of the switch (traced predicate
+  and index): the hidden features split over "model", the counters in "state" fed back."""
+  tx, x = optax.sgd(0.1, momentum=0.9), randn(8, 16)
+  variables = Routed().init(jax.random.key(0), x, True, 0)
+  params, specs = nn.unbox(variables["params"]), nn.get_partition_spec(variables["params"])
+  step = lambda *args: routed_step(*args, tx=tx)  # noqa: E731
+  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 4, jnp.array(s != 1), jnp.array(s))
+             for s in range(3)]
+  rules, rows = (("embed", None), ("mlp", "model")), P("data")
+  train_loop(jax.jit(step), spmd.partition(
+      step, mesh=mesh_of("2x4"), in_specs=(specs, None, None, rows, rows, None, None),
+      rules=rules), (params, {"state": variables["state"]}, tx.init(params)), batches,
+             rtol=1e-4, atol=1e-5)
+
+
+class Refine(nn.Module):
+  """The docs' ``nn.while_loop``: a Dense applied to the carry while the "state" counter (a
+  carried variable) stays under ``steps``; the Dense's params broadcast into the loop."""
+  steps: int
+
+  @nn.compact
+  def __call__(self, x):
+    def cond_fn(mdl, c):
+      return mdl.variables["state"]["acc"] < self.steps
+
+    def body_fn(mdl, c):
+      acc = mdl.variable("state", "acc", lambda: jnp.array(0, jnp.int32))
+      acc.value += 1
+      return jnp.tanh(nn.Dense(c.shape[-1], kernel_init=logical(
+          nn.initializers.lecun_normal(), "embed", "mlp"))(c))
+
+    if self.is_mutable_collection("params"):
+      return body_fn(self, x)
+    return nn.while_loop(cond_fn, body_fn, self, x, carry_variables="state")
+
+
+def test_linen_lifted_while_loop_carries_state_over_rows_split():
+  """Evaluation through ``nn.while_loop`` (three trips), the rows over "data" and the kernel's
+  output features over "model": the loop's carry and its counter come back as the
+  unpartitioned apply gives them."""
+  x = randn(8, 16)
+  variables = Refine(3).init(jax.random.key(0), x)
+  params, specs = nn.unbox(variables["params"]), nn.get_partition_spec(variables["params"])
+  state = {"acc": jnp.array(0, jnp.int32)}
+
+  def evaluate(params, state, x):
+    return Refine(3).apply({"params": params, "state": state}, x, mutable=["state"])
+
+  with nn.logical_axis_rules((("embed", None), ("mlp", "model"))):
+    assert_partitioned_matches(evaluate, (params, state, x), (specs, None, P("data")),
+                               mesh_of("2x4"), rtol=1e-5, atol=1e-5)
