@@ -292,3 +292,83 @@ def test_linen_lifted_while_loop_carries_state_over_rows_split():
   with nn.logical_axis_rules((("embed", None), ("mlp", "model"))):
     assert_partitioned_matches(evaluate, (params, state, x), (specs, None, P("data")),
                                mesh_of("2x4"), rtol=1e-5, atol=1e-5)
+
+
+# --- linen: nn.map_variables (weight standardisation), nn.checkpoint static_argnums, custom_vjp --
+
+def standardize(params):
+  """Weight standardisation of every kernel over its input features."""
+  def one(x):
+    if x.ndim < 2:
+      return x
+    x = x - jnp.mean(x, axis=0, keepdims=True)
+    return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-5)
+
+  return jax.tree.map(one, params)
+
+
+StdDense = nn.map_variables(nn.Dense, "params", trans_in_fn=standardize, init=True)
+
+
+class StdBlock(nn.Module):
+  """A residual block of standardised Dense layers, dropout unless ``deterministic``."""
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    init = nn.initializers.lecun_normal()
+    y = nn.gelu(StdDense(32, kernel_init=logical(init, "embed", "mlp"))(nn.LayerNorm()(x)))
+    y = nn.Dropout(0.2, deterministic=deterministic)(y)
+    return x + StdDense(16, kernel_init=logical(init, "mlp", "embed"))(y)
+
+
+class ClippedHead(nn.Module):
+  """The docs' ``nn.custom_vjp`` around a Dense: its backward pass clips each param gradient's
+  norm to 0.1."""
+
+  @nn.compact
+  def __call__(self, x):
+    def f(mdl, x):
+      return mdl(x)
+
+    def fwd(mdl, x):
+      return nn.vjp(f, mdl, x)
+
+    def bwd(vjp_fn, y_t):
+      params_t, *inputs_t = vjp_fn(y_t)
+      return (jax.tree.map(lambda g: g * jnp.minimum(1.0, 0.1 / jnp.linalg.norm(g)), params_t),
+              *inputs_t)
+
+    return nn.custom_vjp(f, forward_fn=fwd, backward_fn=bwd)(nn.Dense(4), x)
+
+
+class StdNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, deterministic: bool = False):
+    for _ in range(2):
+      x = nn.checkpoint(StdBlock, static_argnums=(2,))()(x, deterministic)
+    return ClippedHead()(x)
+
+
+def std_step(params, opt_state, x, labels, key, *, tx):
+  def loss_fn(params):
+    logits = StdNet().apply({"params": params}, x, rngs={"dropout": key})
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def test_linen_map_variables_checkpoint_static_argnums_custom_vjp():
+  """Two adam steps: kernels standardised by ``nn.map_variables`` (a mean and norm over the
+  input features, split over "model" in the second layer), blocks under ``nn.checkpoint`` with
+  the deterministic flag static, the head's gradients clipped by ``nn.custom_vjp``."""
+  tx, x = optax.adam(1e-2), randn(8, 16)
+  variables = StdNet().init(jax.random.key(0), x, True)
+  params, specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
+  step = lambda *args: std_step(*args, tx=tx)  # noqa: E731
+  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 4, jax.random.key(s)) for s in range(2)]
+  rules, rows = (("embed", None), ("mlp", "model")), P("data")
+  train_loop(jax.jit(step), spmd.partition(
+      step, mesh=mesh_of("2x4"), in_specs=(specs, None, rows, rows, None), rules=rules),
+             (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
