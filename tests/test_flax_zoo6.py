@@ -22,7 +22,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, mesh_of, named, nnx_steps, randn, train_loop)
+from helpers import (assert_partitioned_matches, assert_trees_match, mesh_of, named, nnx_steps,
+                     randn, train_loop)
 
 
 def logical(init, *names):
@@ -372,3 +373,60 @@ def test_linen_map_variables_checkpoint_static_argnums_custom_vjp():
   train_loop(jax.jit(step), spmd.partition(
       step, mesh=mesh_of("2x4"), in_specs=(specs, None, rows, rows, None), rules=rules),
              (params, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+
+
+# --- NNX transforms: nnx.DiffState argnums, value_and_grad with has_aux -------------------------
+
+def sharded(*names):
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+class Encoder(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.Linear(16, 32, kernel_init=sharded(None, "model"), rngs=rngs)
+    self.down = nnx.Linear(32, 16, kernel_init=sharded("model", None), rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(x + self.down(nnx.gelu(self.up(x))))
+
+
+class Probe(nnx.Module):
+  """A linear probe whose logits are also counted in a non-Param Variable."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(16, 4, rngs=rngs)
+    self.calls = nnx.Variable(jnp.array(0, jnp.int32))
+
+  def __call__(self, x):
+    self.calls[...] += 1
+    return self.linear(x)
+
+
+def probe_step(encoder, probe, optimizer, x, labels):
+  """The transforms guide's ``argnums`` with ``nnx.DiffState``: gradients of the probe's Params
+  only (the encoder is an argument but not differentiated), the logits returned as aux."""
+  def loss_fn(encoder, probe):
+    logits = probe(encoder(x))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
+
+  grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(1, nnx.Param), has_aux=True)
+  (loss, logits), grads = grad_fn(encoder, probe)
+  optimizer.update(probe, grads)
+  return loss, jnp.argmax(logits, axis=-1)
+
+
+def test_nnx_diff_state_argnums_value_and_grad_has_aux():
+  """Three adam steps of the probe over a frozen encoder split over "model" (4x2 mesh): the
+  encoder stays as made, the probe's call counter (not differentiated) advances."""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      probe = Probe(nnx.Rngs(1))
+      return Encoder(nnx.Rngs(0)), probe, nnx.Optimizer(probe, optax.adam(1e-2), wrt=nnx.Param)
+
+  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 4) for s in range(3)]
+  mesh = spmd.make_mesh({"data": 4, "model": 2})
+  _, (encoder, probe, _) = nnx_steps(probe_step, fresh, mesh,
+                                     (None, None, None, P("data"), P("data")), batches)
+  assert_trees_match(nnx.state(encoder), nnx.state(fresh()[0]))
+  assert int(probe.calls[...]) == 3
