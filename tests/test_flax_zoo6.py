@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, assert_trees_match, mesh_of, named, nnx_steps,
-                     randn, train_loop)
+from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match, mesh_of,
+                     nnx_steps, randn, train_loop)
 
 
 def logical(init, *names):
@@ -430,3 +430,55 @@ def test_nnx_diff_state_argnums_value_and_grad_has_aux():
                                      (None, None, None, P("data"), P("data")), batches)
   assert_trees_match(nnx.state(encoder), nnx.state(fresh()[0]))
   assert int(probe.calls[...]) == 3
+
+
+# --- the flax_gspmd guide: abstract init, the state made sharded, the step over its specs -------
+
+class DotReluDot(nnx.Module):
+  """The flax_gspmd guide's model: a Linear split over "model" by its output features, a bare
+  Param split by its input features, the activations constrained to P("data", "model")."""
+
+  def __init__(self, depth: int, rngs: nnx.Rngs):
+    init_fn = nnx.initializers.lecun_normal()
+    self.dot1 = nnx.Linear(depth, depth, kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
+                           use_bias=False, rngs=rngs)
+    self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
+
+  def __call__(self, x):
+    y = jax.lax.with_sharding_constraint(jax.nn.relu(self.dot1(x)), P("data", "model"))
+    return jnp.dot(y, self.w2[...])
+
+
+def test_nnx_gspmd_guide_abstract_init_then_sharded_state_steps():
+  """``nnx.get_abstract_model`` gives the state's shapes and shardings without computing it;
+  ``jax.jit(out_shardings=...)`` makes it sharded; three sgd steps of the functional step
+  (``nnx.merge`` of the graphdef and state) run with in_specs from ``nnx.get_partition_spec``,
+  beside ``jax.jit`` of the same step under the mesh."""
+  mesh, tx = mesh_of("2x4"), optax.sgd(0.1, momentum=0.9)
+  make = lambda: DotReluDot(16, nnx.Rngs(0))  # noqa: E731
+  graphdef, abstract = nnx.get_abstract_model(make, mesh)
+  with jax.set_mesh(mesh):
+    state = jax.jit(lambda: nnx.state(make()),
+                    out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+  specs = nnx.get_partition_spec(abstract)
+  assert state["w2"][...].sharding.spec == specs["w2"].get_value() == P("model", None)
+
+  def step(state, opt_state, x, y):
+    def loss_fn(state):
+      return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state)
+    updates, opt_state = tx.update(grads, opt_state, state)
+    return optax.apply_updates(state, updates), opt_state, loss
+
+  jitted = jax.jit(step)
+
+  def reference(*args):
+    with jax.set_mesh(mesh):
+      return jitted(*args)
+
+  batches = [(randn(8, 16, seed=s), randn(8, 16, seed=10 + s)) for s in range(3)]
+  partitioned = spmd.partition(step, mesh=mesh, in_specs=(specs, None, P("data"), P("data")))
+  train_loop(reference, partitioned, (state, tx.init(state)), batches, rtol=1e-4, atol=1e-5)
+  args = (state, tx.init(state), *batches[0])
+  assert_like_jit(partitioned(*args)[0], reference(*args)[0])
