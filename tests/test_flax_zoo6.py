@@ -482,3 +482,50 @@ def test_nnx_gspmd_guide_abstract_init_then_sharded_state_steps():
   train_loop(reference, partitioned, (state, tx.init(state)), batches, rtol=1e-4, atol=1e-5)
   args = (state, tx.init(state), *batches[0])
   assert_like_jit(partitioned(*args)[0], reference(*args)[0])
+
+
+# --- tied embeddings: nnx.Embed.attend over a vocabulary uneven over "model" --------------------
+
+class TiedLM(nnx.Module):
+  """A one-block language model whose output logits are ``embed.attend`` of its final features:
+  the embedding table (250 rows, split over "model") is the input and output projection."""
+
+  def __init__(self, vocab: int, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, 16, embedding_init=nnx.with_partitioning(
+        nnx.initializers.normal(1.0), ("model", None)), rngs=rngs)
+    self.up = nnx.Linear(16, 32, kernel_init=sharded(None, "model"), rngs=rngs)
+    self.down = nnx.Linear(32, 16, kernel_init=sharded("model", None), rngs=rngs)
+    self.norm = nnx.RMSNorm(16, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.down(nnx.gelu(self.up(x)))
+    return self.embed.attend(self.norm(x))
+
+
+def tied_step(model, optimizer, tokens):
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_nnx_tied_embedding_attend_uneven_vocab():
+  """Two adamw steps: the table's 250 rows over "model" (uneven over 4) serve both the lookup
+  and the logits, whose softmax spans the padded shards; the table's gradient sums both uses.
+  (The updated table, uneven, comes back replicated: the second step takes it so.)"""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = TiedLM(250, nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+
+  rng = np.random.default_rng(0)
+  batches = [(jnp.asarray(rng.integers(0, 250, (4, 9)), jnp.int32),) for _ in range(2)]
+  in_specs = (None, None, P("data"))
+  nnx_steps(tied_step, fresh, mesh_of("2x4"), in_specs, batches)
+  first = spmd.partition(tied_step, mesh=mesh_of("2x4"), in_specs=in_specs).plan(
+      *fresh(), *batches[0])
+  assert first.in_specs[0][0]["embed"]["embedding"].get_value() == P("model", None)
