@@ -489,3 +489,50 @@ def test_nnx_tied_embedding_attend_uneven_vocab():
   first = spmd.partition(tied_step, mesh=mesh_of("2x4"), in_specs=in_specs).plan(
       *fresh(), *batches[0])
   assert first.in_specs[0][0]["embed"]["embedding"].get_value() == P("model", None)
+
+
+# --- linen's nn.jvp and nn.vjp inside a module: a smoothness penalty, differentiated twice -------
+
+class TanhMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    x = nn.tanh(nn.Dense(32, kernel_init=logical(init, "embed", "mlp"))(x))
+    return nn.Dense(4, kernel_init=logical(init, "mlp", None))(x)
+
+
+class Smooth(nn.Module):
+  """An MLP's outputs with their derivative along ``v`` (``nn.jvp``, the params' tangents zero)
+  and the input gradient of
+  their sum (``nn.vjp``), as the lifted-transform docs differentiate a submodule."""
+
+  @nn.compact
+  def __call__(self, x, v):
+    mlp = TanhMLP()
+    params_t = jax.tree.map(jnp.zeros_like, mlp.variables.get("params", {}))
+    y, y_t = nn.jvp(lambda mdl, x: mdl(x), mlp, (x,), (v,), {"params": params_t})
+    _, vjp_fn = nn.vjp(lambda mdl, x: mdl(x), mlp, x)
+    _, x_t = vjp_fn(jnp.ones_like(y))
+    return y, y_t, x_t
+
+
+def test_linen_jvp_and_vjp_penalties_double_backprop():
+  """The loss adds the squared directional derivative and input gradient to the cross entropy;
+  its gradient (through the jvp and the vjp: second derivatives) with the hidden features over
+  "model" and rows over "data"."""
+  x, v = randn(8, 16), randn(8, 16, seed=1)
+  variables = jax.jit(Smooth().init)(jax.random.key(0), x, v)
+  params, specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
+
+  def loss_and_grads(params, x, v, labels):
+    def loss_fn(params):
+      y, y_t, x_t = Smooth().apply({"params": params}, x, v)
+      ce = optax.softmax_cross_entropy_with_integer_labels(y, labels).mean()
+      return ce + 0.1 * jnp.mean(y_t ** 2) + 0.1 * jnp.mean(x_t ** 2)
+
+    return jax.value_and_grad(loss_fn)(params)
+
+  rows = P("data")
+  assert_partitioned_matches(loss_and_grads, (params, x, v, jnp.arange(8) % 4),
+                             (specs, rows, rows, rows), mesh_of("2x4"),
+                             rules=(("embed", None), ("mlp", "model")), rtol=1e-4, atol=1e-5)
