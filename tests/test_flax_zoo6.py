@@ -273,12 +273,13 @@ StdDense = nn.map_variables(nn.Dense, "params", trans_in_fn=standardize, init=Tr
 
 
 class StdBlock(nn.Module):
-  """A residual block of standardised Dense layers, dropout unless ``deterministic``."""
+  """A residual block of standardised Dense layers (30 hidden features), dropout unless
+  ``deterministic``."""
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     init = nn.initializers.lecun_normal()
-    y = nn.gelu(StdDense(32, kernel_init=logical(init, "embed", "mlp"))(nn.LayerNorm()(x)))
+    y = nn.gelu(StdDense(30, kernel_init=logical(init, "embed", "mlp"))(nn.LayerNorm()(x)))
     y = nn.Dropout(0.2, deterministic=deterministic)(y)
     return x + StdDense(16, kernel_init=logical(init, "mlp", "embed"))(y)
 
@@ -322,7 +323,8 @@ def std_step(params, opt_state, x, labels, key, *, tx):
 
 def test_linen_map_variables_checkpoint_static_argnums_custom_vjp():
   """Two adam steps: kernels standardised by ``nn.map_variables`` (a mean and norm over the
-  input features, split over "model" in the second layer), the block under ``nn.checkpoint`` with
+  input features, in the second layer its 30 hidden features split unevenly over "model": the
+  padding masked out of both), the block under ``nn.checkpoint`` with
   the deterministic flag static, the head's gradients clipped by ``nn.custom_vjp``."""
   tx, x = optax.adam(1e-2), randn(8, 16)
   variables = jax.jit(StdNet().init, static_argnums=2)(jax.random.key(0), x, True)
