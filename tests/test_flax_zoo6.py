@@ -121,9 +121,9 @@ class HalfBlock(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     half = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=rngs)
     self.norm = nnx.LayerNorm(16, **half)
-    self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(
+    self.up = nnx.Linear(16, 30, kernel_init=nnx.with_partitioning(
         nnx.initializers.lecun_normal(), (None, "model")), **half)
-    self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(
+    self.down = nnx.Linear(30, 16, kernel_init=nnx.with_partitioning(
         nnx.initializers.lecun_normal(), ("model", None)), **half)
     self.head = nnx.Linear(16, 3, **half)
 
@@ -143,14 +143,14 @@ def nnx_half_step(model, optimizer, x, labels):
 
 
 def test_nnx_bfloat16_compute_float32_params():
-  """Two sgd steps of an NNX block in bfloat16 over float32 params split over "model"; the
-  loss in float32."""
+  """Two sgd steps of an NNX block in bfloat16 over float32 params, its 30 hidden features
+  split unevenly over "model", 5 rows unevenly over "data"; the loss in float32."""
   def fresh():
     with nnx.use_eager_sharding(False):
       model = HalfBlock(nnx.Rngs(0))
       return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-  batches = [(randn(8, 16, seed=s), jnp.arange(8) % 3) for s in range(2)]
+  batches = [(randn(5, 16, seed=s), jnp.arange(5) % 3) for s in range(2)]
   _, (model, _) = nnx_steps(nnx_half_step, fresh, mesh_of("2x4"),
                             (None, None, P("data"), P("data")), batches, rtol=2e-2, atol=2e-2)
   assert model.up.kernel.dtype == jnp.float32
