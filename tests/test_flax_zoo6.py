@@ -2,13 +2,13 @@
 lifted-transform docs), small and written as their users write them, run through spmd.partition
 on the ("data", "model") meshes: nlp_seq's Transformer encoder tagging parts of speech (padding
 weighted out, logical rules over "model", 45 tags uneven over 4), mixed precision as flax writes
-it (NNX layers ``dtype=bfloat16, param_dtype=float32``, the loss in float32), linen's
-lifted control flow inside a module (``nn.cond``, ``nn.switch``, ``nn.while_loop``,
-``nn.map_variables`` weight standardisation, ``nn.checkpoint`` with ``static_argnums``,
-``nn.custom_vjp``), NNX transforms (``nnx.DiffState`` argnums with ``has_aux``), the flax_gspmd
-guide's abstract init (``nnx.eval_shape``, the state made sharded by ``jax.jit(out_shardings=)``,
-in_specs from ``nnx.get_partition_spec``) and tied embeddings (``nnx.Embed.attend``) over a
-vocabulary of 250 uneven over "model".
+it (NNX layers ``dtype=bfloat16, param_dtype=float32``, the loss in float32), linen's lifted
+transforms inside a module (``nn.cond``, ``nn.switch``, ``nn.while_loop``, ``nn.map_variables``
+weight standardisation, ``nn.checkpoint`` with ``static_argnums``, ``nn.custom_vjp``, ``nn.jvp``
+/ ``nn.vjp`` penalties differentiated again), NNX's ``nnx.DiffState`` argnums with ``has_aux``,
+the flax_gspmd guide's abstract init (``nnx.get_abstract_model``, the state made sharded by
+``jax.jit(out_shardings=)``, in_specs from ``nnx.get_partition_spec``) and tied embeddings
+(``nnx.Embed.attend``) over a vocabulary of 250 uneven over "model".
 Each is checked against the jitted unpartitioned step, step by step where a loop feeds the state
 back, then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan).
 """
@@ -98,8 +98,9 @@ def tagged_batch(batch: int, length: int, seed: int):
 @pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_nlp_seq_pos_tagger_padding_weights_uneven_tags(mesh, batch):
   """Two steps of momentum with dropout keys (not adam: the key projection's bias has a zero
-  gradient, softmax being shift-invariant, whose rounding adam would scale up): heads, mlp and the 45 tags split over "model" (uneven
-  over 4: the classifier's kernel and logits padded), sentences over "data"."""
+  gradient, softmax being shift-invariant, whose rounding adam would scale up): heads, mlp and
+  the 45 tags split over "model" (uneven over 4: the classifier's kernel and logits padded),
+  sentences over "data"."""
   tx = optax.sgd(0.1, momentum=0.9)
   tokens = jnp.ones((batch, 8), jnp.int32)
   variables = jax.jit(Tagger(32, deterministic=True).init)(jax.random.key(0), tokens)
@@ -402,8 +403,8 @@ class DotReluDot(nnx.Module):
 
   def __init__(self, depth: int, rngs: nnx.Rngs):
     init_fn = nnx.initializers.lecun_normal()
-    self.dot1 = nnx.Linear(depth, depth, kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
-                           use_bias=False, rngs=rngs)
+    self.dot1 = nnx.Linear(depth, depth, use_bias=False, rngs=rngs,
+                           kernel_init=nnx.with_partitioning(init_fn, (None, "model")))
     self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
 
   def __call__(self, x):
@@ -466,9 +467,12 @@ class TiedLM(nnx.Module):
 
 
 def tied_step(model, optimizer, tokens):
+  """Next-token cross entropy, the padding (token 0) after each row's end weighted out."""
   def loss_fn(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    targets = tokens[:, 1:]
+    loss = optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), targets)
+    weights = (targets > 0).astype(loss.dtype)
+    return jnp.sum(loss * weights) / jnp.sum(weights)
 
   loss, grads = nnx.value_and_grad(loss_fn)(model)
   optimizer.update(model, grads)
@@ -476,16 +480,19 @@ def tied_step(model, optimizer, tokens):
 
 
 def test_nnx_tied_embedding_attend_uneven_vocab():
-  """Two adamw steps: the table's 250 rows over "model" (uneven over 4) serve both the lookup
-  and the logits, whose softmax spans the padded shards; the table's gradient sums both uses.
-  (The updated table, uneven, comes back replicated: the second step takes it so.)"""
+  """Two adamw steps over rows padded after their ends: the table's 250 rows over "model"
+  (uneven over 4) serve both the lookup and the logits, whose softmax spans the padded shards;
+  the table's gradient sums both uses. (The updated table, uneven, comes back replicated: the
+  second step takes it so.)"""
   def fresh():
     with nnx.use_eager_sharding(False):
       model = TiedLM(250, nnx.Rngs(0))
       return model, nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
 
   rng = np.random.default_rng(0)
-  batches = [(jnp.asarray(rng.integers(0, 250, (4, 9)), jnp.int32),) for _ in range(2)]
+  live = np.arange(9) < rng.integers(3, 10, (2, 4, 1))
+  batches = [(jnp.asarray(np.where(row, rng.integers(1, 250, (4, 9)), 0), jnp.int32),)
+             for row in live]
   in_specs = (None, None, P("data"))
   nnx_steps(tied_step, fresh, mesh_of("2x4"), in_specs, batches)
   first = spmd.partition(tied_step, mesh=mesh_of("2x4"), in_specs=in_specs).plan(
