@@ -97,11 +97,11 @@ def tagged_batch(batch: int, length: int, seed: int):
 
 @pytest.mark.parametrize("mesh,batch", [("2x4", 4)])
 def test_nlp_seq_pos_tagger_padding_weights_uneven_tags(mesh, batch):
-  """Two steps of momentum with dropout keys (not adam: the key projection's bias has a zero
+  """A step of sgd with a dropout key (not adam: the key projection's bias has a zero
   gradient, softmax being shift-invariant, whose rounding adam would scale up): heads, mlp and
   the 45 tags split over "model" (uneven over 4: the classifier's kernel and logits padded),
   sentences over "data"."""
-  tx = optax.sgd(0.1, momentum=0.9)
+  tx = optax.sgd(0.1)
   tokens = jnp.ones((batch, 8), jnp.int32)
   variables = jax.jit(Tagger(32, deterministic=True).init)(jax.random.key(0), tokens)
   params, specs = nn.unbox(variables)["params"], nn.get_partition_spec(variables)["params"]
@@ -109,7 +109,7 @@ def test_nlp_seq_pos_tagger_padding_weights_uneven_tags(mesh, batch):
   rows = P("batch")
   plan = train_loop(jax.jit(step), spmd.partition(
       step, mesh=mesh_of(mesh), in_specs=(specs, None, rows, rows, None), rules=TAG_RULES),
-                    (params, tx.init(params)), [tagged_batch(batch, 8, s) for s in range(2)],
+                    (params, tx.init(params)), [tagged_batch(batch, 8, 0)],
                     rtol=1e-4, atol=1e-5)
   assert plan.in_specs[0]["Dense_0"]["kernel"] == P(None, "model")
 
