@@ -108,7 +108,6 @@ def under_jit() -> bool:
   return src_core.unsafe_am_i_under_a_jit()
 
 
-
 def gamma_one() -> Any:
   """JAX's draw of one gamma variate from one key (``_gamma_one(key, alpha, log_space)``), which
   ``random_gamma`` maps over keys split per element; private in every release (0.10 to 0.12 keep
