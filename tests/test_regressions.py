@@ -360,6 +360,21 @@ def test_abs_of_a_square_is_the_square():
   assert "abs" in {row.primitive for row in plan.rows}
 
 
+def test_arithmetic_identities_are_their_operand():
+  """``sort(a)`` and ``sort(a * 1)`` of int32[16] P('b'): XLA's simplifier folds ``a * 1`` (and
+  ``x + 0``, ``x - 0``, ``x / 1``) to its operand and merges the two gathers (64 B), where the
+  plan counted two (128 B). The program now folds them too; ``x * 2`` and ``x + 1`` stay."""
+  a = jnp.arange(16, dtype=jnp.int32)[::-1]
+  plan = assert_partitioned_matches(lambda a: (jnp.sort(a), jnp.sort(a * 1), jnp.sort(0 + a)),
+                                    (a,), P("b"), "a2b4")
+  assert [c.kind for c in plan.collectives] == ["all-gather"], plan.explain()
+  x = jnp.linspace(-1, 1, 32).reshape(8, 4)
+  plan = assert_partitioned_matches(
+      lambda x: (jnp.sort(x, 0), jnp.sort(x - 0.0, 0), jnp.sort(x / 1.0, 0), jnp.sort(x * 2, 0),
+                 jnp.sort(x + 1, 0)), (x,), P("a"), "a2b4")
+  assert len(plan.collectives) == 3, plan.explain()  # one per distinct sort
+
+
 def test_ops_combining_one_row_per_shard_gather_the_operand_once():
   """cummax and argmax along a dim split one row per device (int32[8,1] P('x', None)): each
   could all-gather its own per-shard results (block totals, block maxima) or the operand whole,

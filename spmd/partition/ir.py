@@ -304,7 +304,8 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
-  so is an ``abs`` of a value that cannot be negative, and a chain of reshapes in effect that gives
+  so is an ``abs`` of a value that cannot be negative, an ``x + 0`` or ``x * 1`` (and ``x - 0``,
+  ``x / 1``), and a chain of reshapes in effect that gives
   a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
   reshape, then to nothing). Ops computing only from iotas and literals are not merged: they need
   no data, so each use may take them in its own sharding at no cost (XLA merges them only after
@@ -321,7 +322,8 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    same = _only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
+    same = (_only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
+            or _identity_arithmetic(op))
     if same is not None:
       alias[op.outputs[0]] = same
       continue
@@ -425,6 +427,30 @@ def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
     return None
   squared = maker.primitive == "mul" and maker.inputs[0] is maker.inputs[1]
   return x if maker.primitive in ("square", "abs") or squared else None
+
+
+# Binary ops that give back an operand when the other is a scalar literal: primitive -> (the
+# literal's positions, its value). XLA's simplifier folds them (A + 0, A - 0, A * 1, A / 1).
+_IDENTITY_LITERALS: dict[str, tuple[tuple[int, ...], int]] = {
+    "add": ((0, 1), 0), "sub": ((1,), 0), "mul": ((0, 1), 1), "div": ((1,), 1)}
+
+
+def _identity_arithmetic(op: Op) -> Value | None:
+  """The operand ``x`` of ``x + 0``, ``0 + x``, ``x - 0``, ``x * 1``, ``1 * x`` or ``x / 1`` (a
+  scalar literal, the result typed as ``x``), else None: XLA's algebraic simplifier drops such an
+  op, so collectives on either side of it merge in the compiled program."""
+  places, value = _IDENTITY_LITERALS.get(op.primitive, ((), None))
+  for k in places:
+    literal, x = op.inputs[k], op.inputs[1 - k]
+    if (isinstance(literal, Literal) and isinstance(x, Value) and _typed_alike(x, op.outputs[0])
+        and np.ndim(literal.val) == 0 and literal.val == value):
+      return x
+  return None
+
+
+def _typed_alike(x: Value, y: Value) -> bool:
+  """Same shape, dtype and weak type (an aval traced under a mesh also names the mesh)."""
+  return (x.shape, x.dtype, x.aval.weak_type) == (y.shape, y.dtype, y.aval.weak_type)
 
 
 def _static_dynamic_slices(ops: list[Op]) -> None:
