@@ -375,6 +375,22 @@ def test_arithmetic_identities_are_their_operand():
   assert len(plan.collectives) == 3, plan.explain()  # one per distinct sort
 
 
+def test_all_to_all_of_a_concatenate_with_a_transposed_piece():
+  """A concatenate with a transposed piece, resharded along the joined dim by an all-to-all
+  (seed 16 of the thorough profile): XLA folded the all-to-all's slices of the concatenate into
+  its pieces, of different layouts, and its verifier refused the program ("HLO all-to-all has
+  operands with different shapes"), where jax.jit compiles it."""
+  def f(x0, x1):
+    v3 = jnp.concatenate([x1, x1, jnp.transpose(x0, (1, 2, 0))], axis=2)
+    v6 = jnp.concatenate([jnp.argmin(v3, axis=2)] * 2, axis=1)
+    return jnp.expand_dims(v6, 2), jnp.abs(v3)
+
+  x0 = jnp.linspace(-1, 1, 128).reshape(4, 4, 8)[:, ::-1]
+  x1 = jnp.linspace(1, -1, 64).reshape(4, 8, 2) ** 3
+  plan = assert_partitioned_matches(f, (x0, x1), (P(None, "a", "b"), P("b", None, "a")), "a2b4")
+  assert "all-to-all" in {c.kind for c in plan.collectives}, plan.explain()
+
+
 def test_ops_combining_one_row_per_shard_gather_the_operand_once():
   """cummax and argmax along a dim split one row per device (int32[8,1] P('x', None)): each
   could all-gather its own per-shard results (block totals, block maxima) or the operand whole,

@@ -24,7 +24,7 @@ from spmd.partition.local import Local, run_local
 from spmd.partition.primitives import describe
 from spmd.partition.uneven import mask_padding
 from spmd.partition.planner import Analysis
-from spmd.partition.reshard import pad_to
+from spmd.partition.reshard import AllToAll, pad_to
 from spmd.partition.schedule import RegionSchedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
 
@@ -97,6 +97,8 @@ class _Interpreter:
     self.analysis, self.mesh = analysis, mesh
     self.aliases = analysis.schedule.aliases  # an annotation's result is its operand
     self.outer: dict[RegionSchedule, Env] = {}  # while a region is traced: the env around it
+    self.concatenated = {v for op in analysis.program.all_ops() if op.primitive == "concatenate"
+                         for v in op.outputs}
 
   def run(self, *args: Any) -> tuple:
     program, sched = self.analysis.program, self.analysis.schedule
@@ -121,6 +123,12 @@ class _Interpreter:
     for t in transfers:
       value = self.aliases.get(t.value, t.value)
       x = env[(value, t.src)]
+      if value in self.concatenated and any(isinstance(step, AllToAll) for step in t.steps):
+        # XLA splits an all-to-all's operand into slices and folds a slice of a concatenate into
+        # the piece it takes, whose layout may differ from the others' (a transposed piece):
+        # its verifier then refuses the all-to-all (jax 0.10 to 0.12). The barrier hides the
+        # concatenate; it moves nothing.
+        x = jax.lax.optimization_barrier(x)
       for step in t.steps:
         x = step.apply(x, t.value.shape, self.mesh)
         env.setdefault((value, step.after), x)  # forms passed through (schedule.acquire)
