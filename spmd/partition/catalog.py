@@ -18,7 +18,7 @@ from jax.extend.core import Primitive
 from spmd.partition import local, manual, partly_manual
 from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
                                        reshard_request)
-from spmd.partition.jax_compat import open_jaxpr, primitives_named
+from spmd.partition.jax_compat import gamma_one, open_jaxpr, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
                                       Linearity, Manual, PrimitiveInfo)
 from spmd.partition.roll import roll_dynamic_p, roll_p
@@ -238,7 +238,9 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # random numbers
       (("random_bits",), PrimitiveInfo(random.random_bits, local=local.random_bits)),
       (("random_split",), PrimitiveInfo(random.random_split)),
-      (("random_gamma",), PrimitiveInfo(random.gamma, local=local.random_gamma)),
+      (("random_gamma",), PrimitiveInfo(random.gamma, local=local.random_gamma) if gamma_one()
+       else PrimitiveInfo(reason="this JAX has no _gamma_one, which a device needs to draw its "
+                                 "block's variates alone")),
       (("random_wrap",), PrimitiveInfo(random.wrap)),
       (("random_unwrap",), PrimitiveInfo(random.unwrap)),
       # linear algebra and FFTs: batch dims pass
