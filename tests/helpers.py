@@ -13,6 +13,7 @@ from typing import Any, Callable, Collection, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,6 +45,12 @@ class Cases(list):
   def register(self, fn: Callable[[], None]) -> Callable[[], None]:
     self.append(fn)
     return fn
+
+  def params(self, xfail: Mapping[Callable, str]) -> list:
+    """The cases as pytest params named by their functions; those in ``xfail`` are strict
+    xfails with their reasons."""
+    return [pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=xfail[c])]
+                         if c in xfail else []) for c in self]
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import spmd
 from helpers import (Cases, assert_partitioned_matches, check_committed, check_jit, get_mesh, ints,
                      randn)
 
-CASES = Cases()  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 
@@ -479,8 +479,6 @@ XFAIL = {elementwise_of_an_argument_and_a_value_computed_from_another_sharded_di
     "disagree; Shardy keeps only their common prefix (docs/ARCHITECTURE.md, Known gaps)")}
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c])]
-                 if c in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES.params(XFAIL))
 def test_case(run: Callable[[], None]) -> None:
   run()

@@ -26,7 +26,7 @@ import spmd
 from helpers import (Cases, as_mesh, assert_like_jit, assert_partitioned_matches,
                      assert_trees_match, check_jit, check_plan, get_mesh, ints, named, randn)
 
-CASES = Cases()  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments
 MESH = "a2b4"
 X, W = randn(8, 16), randn(16, 8, seed=1)
 KEY = jax.random.key(7)
@@ -554,8 +554,6 @@ XFAIL: dict[Callable, str] = {
 }
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c])]
-                 if c in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES.params(XFAIL))
 def test_case(run: Callable[[], None]) -> None:
   run()

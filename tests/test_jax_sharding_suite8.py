@@ -27,7 +27,7 @@ import spmd
 from helpers import (Cases, assert_partitioned_matches, check_jit, check_plan, get_mesh, indices,
                      ints, named, randn, same)
 
-CASES = Cases()  # functions of no arguments, or pytest.params of one
+CASES = Cases()  # functions of no arguments
 MESH = "a2b4"
 X = randn(8, 16)
 BF = X.astype(jnp.bfloat16)
@@ -470,8 +470,6 @@ if jax.__version_info__ < (0, 12):  # jax 0.12's Shardy has a rule for chlo.erf:
       "P('a','b') moving nothing (docs/ARCHITECTURE.md, Known gaps)")
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c])]
-                 if c in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES.params(XFAIL))
 def test_case(run: Callable[[], None]) -> None:
   run()

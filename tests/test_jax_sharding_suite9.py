@@ -440,8 +440,6 @@ XFAIL: dict[Callable, str] = {
 }
 
 
-@pytest.mark.parametrize("run", [
-    pytest.param(c, id=c.__name__, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[c])]
-                 if c in XFAIL else []) for c in CASES])
+@pytest.mark.parametrize("run", CASES.params(XFAIL))
 def test_case(run: Callable[[], None]) -> None:
   run()
