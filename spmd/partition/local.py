@@ -24,7 +24,7 @@ from spmd.partition.halo_geometry import Exchange, Mirror, Rotation, geometry
 from spmd.partition.ir import Op, Value
 from spmd.partition.jax_compat import gamma_one
 from spmd.partition.primitives import bind, describe, operands
-from spmd.partition.rules.reduce import all_reduce_combiner, identity
+from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
 
@@ -229,9 +229,10 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
 def reduce_again(local: Local, args: list) -> list:
   """A reduction that combines its own partial results (the variadic ``reduce``, reduce_prod,
   reduce_xor) along sharded reduced dims (padding masked with the init values, 1 or 0,
-  uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again
-  (a generic reduce all-reduced later, ``all_reduce_combiner``, only reduces its shard)."""
-  if not local.partial_axes or (local.op.primitive == "reduce" and all_reduce_combiner(local.op)):
+  uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again (a
+  generic reduce whose results are written partial, all-reduced later by
+  ``all_reduce_combiner``'s collective, only reduces its shard)."""
+  if not local.partial_axes or local.writes[0].partial:
     return bind(local.op, args)
   partials = _gather_partials(local, bind(local.op, args))
   if "dimensions" in local.op.params:  # the variadic reduce: operands, then their init values
