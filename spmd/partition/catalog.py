@@ -141,6 +141,19 @@ def split_as_slices(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tupl
                                                      inputs[0].aval.dtype)), inputs
 
 
+def transposing_reshape(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+  """A ``reshape`` with ``dimensions`` (``lax.reshape``'s transpose first, as a grouped
+  convolution's input gradient regroups its kernel) is that transpose then a plain reshape, as
+  XLA lowers it; a plain reshape (None) is the op itself."""
+  if params.get("dimensions") is None:
+    return None
+
+  def transposed(x: jax.Array) -> jax.Array:
+    return jax.lax.reshape(jax.lax.transpose(x, params["dimensions"]), params["new_sizes"])
+  return jax.make_jaxpr(transposed)(jax.ShapeDtypeStruct(inputs[0].aval.shape,
+                                                         inputs[0].aval.dtype)), inputs
+
+
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
 
@@ -178,7 +191,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("broadcast_in_dim",),
        PrimitiveInfo(shape.broadcast_in_dim, ADDITIVE_IN_FIRST, local.broadcast_in_dim)),
       (("tile",), PrimitiveInfo(shape.tile, ADDITIVE_IN_FIRST, local.tile)),
-      (("reshape",), PrimitiveInfo(shape.reshape, ADDITIVE_IN_FIRST, local.reshape)),
+      (("reshape",), PrimitiveInfo(shape.reshape, ADDITIVE_IN_FIRST, local.reshape,
+                                    inline=transposing_reshape)),
       (("transpose",), PrimitiveInfo(shape.transpose, ADDITIVE_IN_FIRST)),
       (("squeeze",), PrimitiveInfo(shape.squeeze, ADDITIVE_IN_FIRST)),
       (("expand_dims",), PrimitiveInfo(shape.expand_dims, ADDITIVE_IN_FIRST)),
