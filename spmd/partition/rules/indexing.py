@@ -180,9 +180,10 @@ def gather(op: Op) -> OpShardingRule:
 
 def scatter(additive: bool) -> Callable[[Op], OpShardingRule]:
   """Operand and result share every dim (each device applies the updates that land in its part);
-  update window dims pass when whole; when the updates are ``additive`` (scatter-add and -sub)
-  the scatter batch dims of updates and indices are reductions (each device adds its part, the
-  results are summed)."""
+  update window dims pass when whole, and a dim a window covers in part is whole on the operand
+  and result too (a device would drop or shift a window straddling its part); when the updates
+  are ``additive`` (scatter-add and -sub) the scatter batch dims of updates and indices are
+  reductions (each device adds its part, the results are summed)."""
   return functools.partial(_scatter, additive=additive)
 
 
@@ -190,16 +191,15 @@ def _scatter(op: Op, additive: bool) -> OpShardingRule:
   dn = op.params["dimension_numbers"]
   operand, indices, updates = (x.aval.shape for x in op.inputs[:3])
   b = RuleBuilder()
-  operand_dims = b.factors(operand)
-  update_dims: list = [None] * len(updates)
-  index_dims: list = [None] * len(indices)
   window_operand = [d for d in range(len(operand))
                     if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+  part = {od for od, ud in zip(window_operand, dn.update_window_dims) if updates[ud] != operand[od]}
+  operand_dims = [b.factor(n, WHOLE if d in part else FactorKind.PASS)
+                  for d, n in enumerate(operand)]
+  update_dims: list = [None] * len(updates)
+  index_dims: list = [None] * len(indices)
   for od, ud in zip(window_operand, dn.update_window_dims):
-    if updates[ud] == operand[od]:
-      update_dims[ud] = operand_dims[od]
-    else:
-      update_dims[ud] = b.factor(updates[ud], WHOLE)
+    update_dims[ud] = b.factor(updates[ud], WHOLE) if od in part else operand_dims[od]
   scatter_update = [d for d in range(len(updates)) if d not in dn.update_window_dims]
   batching = dict(zip(dn.scatter_indices_batching_dims, dn.operand_batching_dims))
   for idim, ud in zip(range(len(indices) - 1), scatter_update):
