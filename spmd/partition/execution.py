@@ -21,7 +21,7 @@ from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, joint_m
                                           plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
-from spmd.partition.reshard import ReshardStep, plan_reshard
+from spmd.partition.reshard import ReshardStep, Splat, plan_reshard
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 from spmd.partition.wire import Wire
@@ -82,8 +82,8 @@ class ExecutionPlanner:
   the constraints it plans (one program's, shared by every schedule of it), which keep their
   rules alive (rules are keyed by identity)."""
 
-  def __init__(self, mesh: MeshShape, wire: Wire):
-    self.mesh, self.wire = mesh, wire
+  def __init__(self, mesh: MeshShape, wire: Wire, splats: Mapping[Value, object]):
+    self.mesh, self.wire, self.splats = mesh, wire, splats
     self._options: dict[tuple, list[_Option]] = {}
     self._reshards: dict[tuple, tuple[ReshardStep, ...]] = {}
     # per constraint: (its rule, tensors' shapes and dtypes), its tensors
@@ -91,7 +91,12 @@ class ExecutionPlanner:
 
   def reshard(self, v: Value, src: TensorSharding, dst: TensorSharding
               ) -> tuple[ReshardStep, ...]:
-    """The steps that make ``v`` available as ``dst`` from ``src`` (reshard.py), planned once."""
+    """The steps that make ``v`` available as ``dst`` from ``src`` (reshard.py), planned once;
+    a value of ``splats`` (a broadcast of a literal) is made anew in any form without partial
+    sums."""
+    if v in self.splats and not src.partial and not dst.partial:
+      return (Splat(axes=(), before=src, after=dst, fill=self.splats[v], shape=v.shape,
+                    itemsize=v.dtype.itemsize, mesh=self.mesh),)
     key = (src, dst, v.shape, self.wire(v.dtype))
     steps = self._reshards.get(key)
     if steps is None:

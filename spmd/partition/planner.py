@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.partition.annotation import annotation_spec
 from spmd.partition.cse import Duplicates
 from spmd.partition.execution import ExecutionPlanner
-from spmd.partition.ir import Program, Value
+from spmd.partition.ir import Literal, Program, Value
 from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
 from spmd.partition.rendering import render_plan
 from spmd.partition.schedule import ProgramFacts, Schedule, program_facts, schedule
@@ -55,6 +55,13 @@ class Scheduled:
   wanted: tuple[TensorSharding, ...]
 
 
+def literal_broadcasts(program: Program) -> dict[Value, Any]:
+  """The values made by a broadcast of a literal, each by the literal's value: made anew in the
+  form an op reads (XLA folds a collective of such a broadcast into a broadcast)."""
+  return {op.outputs[0]: op.inputs[0].val for op in program.all_ops()
+          if op.primitive == "broadcast_in_dim" and isinstance(op.inputs[0], Literal)}
+
+
 class Planner:
   """Plans one program for any boundary. What does not depend on the boundary (the ops' rules,
   propagation outcomes, candidate executions, reshard steps) is computed once and shared by
@@ -69,7 +76,7 @@ class Planner:
     self.program, self.mesh = program, mesh
     self.backend, self.name, self.in_tree, self.out_tree = backend, name, in_tree, out_tree
     self.propagator = Propagator(program, mesh)
-    self.executions = ExecutionPlanner(mesh, wire_for(platform))
+    self.executions = ExecutionPlanner(mesh, wire_for(platform), literal_broadcasts(program))
     self.trips = trip_counts(program)
     self.duplicates = Duplicates(program)
     self.annotations = annotation_seeds(program, mesh, resolve)

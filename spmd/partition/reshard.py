@@ -340,6 +340,23 @@ class DynamicSlice(_Split):
     return lax.dynamic_slice_in_dim(x, shard_index(self.axes) * size, size, self.dim)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Splat(ReshardStep):
+  """Makes ``after``'s block of a value whose elements all equal ``fill`` (a broadcast of a
+  literal) anew: local, no communication, as XLA folds a collective of such a broadcast."""
+
+  kind: ClassVar[str] = "splat"
+  communicates: ClassVar[bool] = False
+  fill: Any
+
+  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    return self.run(jnp.empty(self.after.local_shape(shape, mesh), x.dtype), mesh)
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    """A block of ``x``'s shape, filled."""
+    return jnp.full_like(x, self.fill)
+
+
 def pad_to(x: jax.Array, shape: Shape) -> jax.Array:
   """``x`` padded at the end of every dim shorter than ``shape`` (whole uneven dims about to be
   split); a PRNG key array by its key data (no key is zero: the padding is never read)."""
