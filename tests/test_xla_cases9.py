@@ -1,0 +1,226 @@
+"""XLA's SPMD partitioner cases, round 9 (openxla/xla ``xla/service/spmd/spmd_partitioner_test.cc``,
+``xla/service/sharding_propagation_test.cc`` and shardy's propagation tests): families
+tests/test_xla_cases.py and test_xla_cases3.py to test_xla_cases8.py do not mirror: the output
+sharding propagation chooses (compared with jax.jit's) for elementwise ops and dots whose operands
+disagree, broadcast / reshape / transpose chains carrying a sharding forward, user annotations
+inside a chain and in loop and conditional bodies; windows with base dilation, overlapping
+max-pool gradients, interior padding, strides and reverses on other meshes, a constant and a
+traced dynamic slice side by side; sorts with two keys, top_k over two axes, a variadic reduce
+over two mesh axes; merged and split reshapes with halos and partial replication; dots whose
+contracting dims are split differently, whose batch dims disagree or whose output spec moves
+both operands; scatters and gathers with operand and updates on other axes and full-dim slices;
+and batch-sharded cholesky, triangular_solve and eigh. Each test names the XLA test it mirrors
+(or the family it extends), checks values, plan == compiled HLO and no replicated fallback
+(tests/helpers.py), and that spmd moves no more bytes per device than XLA's own partitioner with
+the same specs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from helpers import get_mesh, indices, ints, no_more_than_xla, randn, spd
+
+BF16 = jnp.bfloat16
+A2B2 = {"a": 2, "b": 2}  # the first 4 devices
+A4B2 = {"a": 4, "b": 2}
+
+
+# --- Propagation: the output sharding chosen, as jax.jit chooses it ------------------------------
+
+def test_elementwise_conflicting_operands_output():  # ShardingPropagation ElementwiseOperation
+  no_more_than_xla(lambda x, y: x * y + 1, (randn(8, 8), randn(8, 8, seed=1)),
+                   (P("a", None), P(None, "b")), "a2b4", like_jit=True)
+
+
+def test_elementwise_one_operand_sharded_output():  # ShardingPropagation, replicated operand
+  no_more_than_xla(lambda x, y: jnp.maximum(x, y), (randn(8, 4), randn(8, 4, seed=1)),
+                   (P(None, "b"), P()), "a2b4", like_jit=True)
+
+
+def test_dot_operands_disagree_output():  # ShardingPropagation DotMergeOperands
+  no_more_than_xla(lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)),
+                   (P("a", None), P(None, "a")), "a2b4", like_jit=True)
+
+
+def test_broadcast_reshape_transpose_chain_forward():  # BroadcastForwardPass, then reshape
+  f = lambda x: jnp.broadcast_to(x, (2, 8, 4)).reshape(16, 4).T * 2
+  no_more_than_xla(f, (randn(8, 4),), P("a", "b"), A2B2, like_jit=True)
+
+
+def test_transpose_reshape_chain_forward_3d():  # TransposeForwardPass, ReshapeForwardPass
+  f = lambda x: jnp.tanh(x.transpose(1, 0, 2).reshape(4, 32))
+  no_more_than_xla(f, (randn(4, 4, 8),), P("a", "b", "c"), "a2b2c2", like_jit=True)
+
+
+def test_user_annotation_overrides_inferred():  # ShardingPropagation, user sharding priority
+  mesh = get_mesh("a2b4")
+  cols = NamedSharding(mesh, P(None, "b"))
+  f = lambda x: jnp.exp(lax.with_sharding_constraint(jnp.sin(x), cols)) * 3
+  no_more_than_xla(f, (randn(8, 8),), P("a", None), mesh, like_jit=True)
+
+
+def test_annotation_propagates_backward_to_constant():  # BackwardPass from a user annotation
+  mesh = get_mesh("a2b4")
+  tiled = NamedSharding(mesh, P("a", "b"))
+  f = lambda x: x + lax.with_sharding_constraint(
+      lax.broadcasted_iota(jnp.float32, (8, 8), 0) * 2, tiled)
+  no_more_than_xla(f, (randn(8, 8),), P(), mesh, like_jit=True)
+
+
+def test_while_body_propagates_carry_sharding():  # ShardingPropagation While, carry tiled
+  f = lambda x, w: lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x)
+  no_more_than_xla(f, (randn(8, 8), randn(8, 8, seed=1) / 4), (P("a"), P(None, "b")), "a2b4",
+                   P("a"))
+
+
+def test_cond_branches_propagate_output():  # ShardingPropagation Conditional
+  f = lambda p, x: lax.cond(p, lambda v: v.T @ v, lambda v: v.T * 2 @ v, x)
+  no_more_than_xla(f, (jnp.bool_(False), randn(8, 8)), (P(), P("a", "b")), A2B2)
+
+
+# --- Windows --------------------------------------------------------------------------------
+
+def test_reduce_window_base_dilation_2d_mesh():  # ReduceWindow with base dilation, tiled
+  f = lambda x: lax.reduce_window(x, 0.0, lax.add, (3, 1), (1, 1), [(1, 1), (0, 0)],
+                                  base_dilation=(2, 1))
+  no_more_than_xla(f, (randn(8, 4),), P("a", "b"), A4B2)
+
+
+def test_reduce_window_max_base_dilation_two_dims():  # ReduceWindow base dilation on two dims
+  f = lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (2, 2), (1, 1), [(0, 1), (0, 1)],
+                                  base_dilation=(2, 2))
+  no_more_than_xla(f, (randn(4, 8),), P("a", "b"), A2B2)
+
+
+def test_select_and_scatter_window3_stride1():  # SelectAndScatterWithOverlap, stride 1
+  pool = lambda v: lax.reduce_window(v, -jnp.inf, lax.max, (3, 3), (1, 1), "VALID")
+  f = lambda x, g: jax.vjp(pool, x)[1](g)[0]
+  no_more_than_xla(f, (randn(10, 10), randn(8, 8, seed=1)), (P("a", "b"), P("a", "b")), A2B2)
+
+
+def test_pad_interior_sharded_dim_int32_4x2():  # PadAlongPartitionedDimensionWithInteriorPadding
+  no_more_than_xla(lambda x: lax.pad(x, np.int32(-1), [(1, 2, 1), (0, 0, 0)]), (ints(8, 4),),
+                   P("a", "b"), A4B2)
+
+
+def test_slice_stride3_sharded_dim_4x2():  # SliceAlongPartitionedDimension, stride 3
+  no_more_than_xla(lambda x: x[1::3, ::2], (randn(24, 8),), P("a", "b"), A4B2)
+
+
+def test_reverse_added_to_itself_partial_replicate():  # TiledReverse, x + rev(x), 'b' replicated
+  no_more_than_xla(lambda x: x + x[::-1], (randn(8, 4),), P("a"), "a2b4")
+
+
+def test_dynamic_slice_constant_and_traced_side_by_side():  # DynamicSlice, literal and traced
+  f = lambda x, i: (lax.dynamic_slice(x, (2, 0), (4, 8)), lax.dynamic_slice(x, (i, 0), (4, 8)))
+  no_more_than_xla(f, (randn(8, 8), np.int32(3)), (P("a", "b"), P()), A2B2)
+
+
+def test_iota_sharded_over_reversed_axes_compare():  # IotaAlongTileDimension, ('b','a')
+  f = lambda x: jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, 0) % 3 == 0, x, 0)
+  no_more_than_xla(f, (ints(16, 4),), P(("b", "a")), "a2b4")
+
+
+# --- Sort, top_k, variadic reduce ------------------------------------------------------------
+
+def test_sort_two_keys_and_payload_sharded_dim():  # SortShardedOnSortDim, num_keys=2
+  f = lambda k1, k2: lax.sort((k1, k2, lax.broadcasted_iota(jnp.int32, k1.shape, 1)),
+                              dimension=1, num_keys=2)
+  no_more_than_xla(f, (indices(3, 4, 16), randn(4, 16)), (P(None, "b"), P(None, "b")), "a2b4")
+
+
+def test_top_k_over_two_axes_2x2():  # PartitionSortInTopK, the sorted dim over ('a','b')
+  no_more_than_xla(lambda x: lax.top_k(x, 2), (randn(8, 16),), P(None, ("a", "b")), A2B2)
+
+
+def test_variadic_reduce_over_two_mesh_axes():  # TiledToReplicatedTupleReduce, two dims
+  def argmax_2d(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    idx = lax.broadcasted_iota(jnp.int32, x.shape, 0) * x.shape[1] + lax.broadcasted_iota(
+        jnp.int32, x.shape, 1)
+
+    def pick(a: tuple, b: tuple) -> tuple:
+      take = (a[0] > b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+      return lax.select(take, a[0], b[0]), lax.select(take, a[1], b[1])
+    return lax.reduce((x, idx), (np.float32(-np.inf), np.int32(0)), pick, (0, 1))
+  no_more_than_xla(argmax_2d, (randn(8, 8),), P("a", "b"), A2B2)
+
+
+# --- Reshapes ------------------------------------------------------------------------------
+
+def test_reshape_merge_dims_with_halo_exchange_2d():  # ReshapeMergeDimsWithHaloExchange
+  no_more_than_xla(lambda x: x.reshape(24, 4), (randn(4, 6, 4),), P(None, "a", "b"), A2B2)
+
+
+def test_reshape_split_dims_with_halo_exchange():  # ReshapeSplitDimsWithHaloExchange
+  no_more_than_xla(lambda x: x.reshape(3, 8, 4), (randn(24, 4),), P(("a", "b")), "a2b4")
+
+
+def test_reshape_uneven_sharded_dim_into_two():  # a reshape of an uneven tile, 10 over 4
+  no_more_than_xla(lambda x: x.reshape(5, 2, 3), (randn(10, 3),), P(("a", "b")), A2B2)
+
+
+def test_reshape_partial_replicate_split_3d():  # PartialReplicateShardableReshape, 'c' replicated
+  no_more_than_xla(lambda x: x.reshape(4, 2, 6), (randn(8, 6),), P(("a", "b")), "a2b2c2")
+
+
+# --- Dots ----------------------------------------------------------------------------------
+
+def test_windowed_contracting_split_differently():  # EinsumRHSWindowedContracting, two axes
+  no_more_than_xla(lambda x, y: x @ y, (randn(8, 64), randn(64, 8, seed=1)),
+                   (P(None, "a"), P("b", None)), "a2b4")
+
+
+def test_dot_batch_on_other_axes_per_operand_4x2():  # EinsumBatchPartitioned, batch disagrees
+  no_more_than_xla(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y),
+                   (randn(8, 4, 4), randn(8, 4, 4, seed=1)), (P("b"), P("a")), A4B2)
+
+
+def test_dot_output_spec_moves_both_operands():  # DotLhsTiledRhsTiledWithReshard, both moved
+  no_more_than_xla(lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)),
+                   (P(None, "a"), P("b", None)), A2B2, P("b", "a"))
+
+
+def test_dot_partially_replicated_operands_3d():  # DotPartialNonContracting, 2x2x2
+  no_more_than_xla(lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)),
+                   (P("a", None), P(None, "c")), "a2b2c2")
+
+
+# --- Scatter / gather ----------------------------------------------------------------------
+
+def test_scatter_operand_and_updates_other_axes():  # Scatter, operand on a, updates on b
+  f = lambda x, i, u: x.at[i].add(u)
+  no_more_than_xla(f, (randn(8, 8), indices(8, 4), randn(4, 8, seed=1)),
+                   (P("a"), P(), P(None, "b")), "a2b4", P("a"))
+
+
+def test_gather_full_dim_slice_passthrough():  # PassthroughGather, sharded dim sliced whole
+  no_more_than_xla(lambda x, i: x[:, i], (randn(8, 8), indices(8, 5)), (P("a", "b"), P()),
+                   "a2b4")
+
+
+def test_gather_two_indexed_dims_sharded_operand():  # Gather, point indices into a 2-D tile
+  no_more_than_xla(lambda x, i: x[i[:, 0], i[:, 1]], (randn(8, 8), indices(8, 6, 2)),
+                   (P("a", "b"), P()), A2B2)
+
+
+# --- Linear algebra, batch-sharded ------------------------------------------------------------
+
+def test_cholesky_batch_over_two_axes():  # PartitionCustomCall (Cholesky), batch tiled
+  no_more_than_xla(jnp.linalg.cholesky, (spd(4, 4),), P(("a", "b")), A2B2, rtol=1e-4,
+                   atol=1e-4)
+
+
+def test_triangular_solve_batch_sharded():  # TriangularSolve, batch tiled, rhs columns too
+  f = lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True)
+  a = np.tril(randn(8, 4, 4)) + 4 * np.eye(4, dtype=np.float32)
+  no_more_than_xla(f, (a, randn(8, 4, 4, seed=1)), (P("a"), P("a", None, "b")), "a2b4",
+                   rtol=1e-4, atol=1e-4)
+
+
+def test_eigh_batch_sharded_3d():  # PartitionCustomCall (Eigh), batch over the 2x2x2 mesh
+  f = lambda x: jnp.linalg.eigh(x)[0]
+  no_more_than_xla(f, (spd(8, 4),), P(("a", "b", "c")), "a2b2c2", rtol=1e-4, atol=1e-4)
