@@ -18,11 +18,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import get_mesh, indices, ints, no_more_than_xla, randn, spd
+from helpers import check_jit, get_mesh, indices, ints, no_more_than_xla, randn, spd, xla_bytes
 
 BF16 = jnp.bfloat16
 A2B2 = {"a": 2, "b": 2}  # the first 4 devices
@@ -41,6 +42,11 @@ def test_elementwise_one_operand_sharded_output():  # ShardingPropagation, repli
                    (P(None, "b"), P()), "a2b4", like_jit=True)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "spelling: outside jax.set_mesh jax.jit returns x@y of x P('a', None), y P(None, 'a') as "
+    "P('a',); spmd returns in_specs' spelling P('a', None), which jax.jit gives only under "
+    "jax.set_mesh, as helpers.check_jit (spmd called outside it) expects: both cannot hold; "
+    "same bytes, 256 B"))
 def test_dot_operands_disagree_output():  # ShardingPropagation DotMergeOperands
   no_more_than_xla(lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)),
                    (P("a", None), P(None, "a")), "a2b4", like_jit=True)
@@ -224,3 +230,105 @@ def test_triangular_solve_batch_sharded():  # TriangularSolve, batch tiled, rhs 
 def test_eigh_batch_sharded_3d():  # PartitionCustomCall (Eigh), batch over the 2x2x2 mesh
   f = lambda x: jnp.linalg.eigh(x)[0]
   no_more_than_xla(f, (spd(8, 4),), P(("a", "b", "c")), "a2b2c2", rtol=1e-4, atol=1e-4)
+
+
+# --- More: propagation under set_mesh, windows on uneven dims, 3-D meshes ---------------------
+
+def test_dot_operands_disagree_output_under_set_mesh():  # DotMergeOperands, the user's spelling
+  """Under jax.set_mesh, jax.jit gives an output sharded like the first input that input's
+  spelling, P('a', None); the bytes as XLA's."""
+  fn, args, specs = lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)), (P("a", None),
+                                                                             P(None, "a"))
+  plan = check_jit(fn, args, specs, "a2b4")
+  assert plan.total_bytes <= xla_bytes(fn, args, specs, "a2b4"), plan.explain()
+
+
+def test_elementwise_with_own_transpose():  # ElementwiseTest, x + x.T on a 2-D tile
+  """The result stays on x's tiling (jax.jit returns it replicated)."""
+  plan = no_more_than_xla(lambda x: x + x.T, (randn(8, 8),), P("a", "b"), A2B2)
+  assert plan.out_specs == P("a", "b"), plan.explain()
+
+
+def test_out_spec_propagates_backward_through_reshape():  # ReshapeBackwardPass
+  no_more_than_xla(lambda x: jnp.sin(x * 2).reshape(4, 2, 8), (randn(8, 8),), P(), "a2b4",
+                   P("a", None, "b"))
+
+
+def test_broadcast_then_reduce_over_sharded_new_dim():  # BroadcastForwardPass, then reduced
+  f = lambda x, y: (x[None, :, :] * y).sum(0)
+  no_more_than_xla(f, (randn(4, 8), randn(4, 4, 8, seed=1)), (P(None, "b"), P("a", None, "b")),
+                   "a2b2c2")
+
+
+def test_reduce_window_base_dilation_strided_uneven():  # ReduceWindow base dilation, 10 over 4
+  f = lambda x: lax.reduce_window(x, 0.0, lax.add, (3, 1), (2, 1), [(1, 1), (0, 0)],
+                                  base_dilation=(2, 1))
+  no_more_than_xla(f, (randn(10, 4),), P(("a", "b")), A2B2)
+
+
+def test_select_and_scatter_strided_padded_uneven():  # SelectAndScatterWithOverlap, uneven
+  pool = lambda v: lax.reduce_window(v, -jnp.inf, lax.max, (3, 1), (2, 1), [(1, 1), (0, 0)])
+  f = lambda x, g: jax.vjp(pool, x)[1](g)[0]
+  no_more_than_xla(f, (randn(10, 4), randn(5, 4, seed=1)), (P("a", "b"), P("a", "b")), A2B2)
+
+
+def test_pad_interior_dim_over_two_axes():  # PadAlongPartitionedDimensionWithInteriorPadding
+  no_more_than_xla(lambda x: lax.pad(x, 0.0, [(0, 0, 0), (2, 1, 1)]), (randn(4, 8),),
+                   P("c", ("a", "b")), "a2b2c2")
+
+
+def test_reverse_uneven_partial_replicate_3d():  # TiledReverse, uneven, 'c' replicated
+  no_more_than_xla(lambda x: lax.rev(x, (0,)) * 2, (randn(7, 4),), P(("a", "b")), "a2b2c2")
+
+
+def test_sort_over_two_axes_with_payload_3d():  # SortShardedOnSortDim, dim over ('b','c')
+  f = lambda x, v: lax.sort((x, v), dimension=1, num_keys=1)
+  no_more_than_xla(f, (randn(4, 16), ints(4, 16)), (P("a", ("b", "c")), P("a", ("b", "c"))),
+                   "a2b2c2")
+
+
+def test_top_k_bf16_dim_over_four():  # PartitionSortInTopK, bf16, the dim over 'a' of 4
+  no_more_than_xla(lambda x: lax.top_k(x, 3), (randn(4, 16, dtype=BF16),), P("b", "a"), A4B2)
+
+
+def test_windowed_contracting_over_two_axes_each_3d():  # EinsumWindowedContracting, 2x2x2
+  no_more_than_xla(lambda x, y: x @ y, (randn(8, 32), randn(32, 8, seed=1)),
+                   (P("a", ("b", "c")), P(("c", "b"), None)), "a2b2c2")
+
+
+def test_dot_batch_three_axes_out_spec():  # EinsumOutputBatchPartitioned, batch on a third axis
+  no_more_than_xla(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y),
+                   (randn(4, 4, 4), randn(4, 4, 4, seed=1)), (P("a"), P("b")), "a2b2c2",
+                   P("c"))
+
+
+def test_scatter_updates_on_other_axes_3d():  # Scatter, operand on (a, b), updates on c
+  f = lambda x, i, u: x.at[i].set(u)
+  no_more_than_xla(f, (randn(8, 8), indices(8, 4), randn(4, 8, seed=1)),
+                   (P(("a", "b")), P(), P(None, "c")), "a2b2c2", P(("a", "b")))
+
+
+def test_gather_full_dim_slice_indices_sharded():  # PassthroughGather, indices tiled too
+  no_more_than_xla(lambda x, i: x[:, i], (randn(8, 8), indices(8, 8)), (P("a"), P("b")), "a2b4")
+
+
+def test_solve_batch_sharded():  # LU + TriangularSolve custom calls, batch tiled on 2x2
+  no_more_than_xla(jnp.linalg.solve, (spd(4, 4), randn(4, 4, 2, seed=1)),
+                   (P(("a", "b")), P(("a", "b"))), A2B2, rtol=1e-4, atol=1e-4)
+
+
+def test_qr_batch_sharded_4x2():  # PartitionCustomCall (QR), batch over a of 4
+  f = lambda x: jnp.abs(jnp.linalg.qr(x)[1])
+  no_more_than_xla(f, (randn(8, 4, 3),), P("a"), A4B2, rtol=1e-4, atol=1e-4)
+
+
+def test_cond_branch_reshapes_operand():  # Conditional, a branch reshapes and reshapes back
+  f = lambda p, x: lax.cond(p, lambda v: v.reshape(4, 2, 8).sum(1).repeat(2, 0),
+                            lambda v: v * 2, x)
+  no_more_than_xla(f, (jnp.bool_(True), randn(8, 8)), (P(), P("a", "b")), "a2b4")
+
+
+def test_while_body_cond_changes_sharding():  # While whose body holds a Conditional
+  def body(i: jax.Array, c: jax.Array) -> jax.Array:
+    return lax.cond(i % 2 == 0, lambda v: v.T, lambda v: jnp.tanh(v), c)
+  no_more_than_xla(lambda x: lax.fori_loop(0, 3, body, x), (randn(8, 8),), P("a", "b"), A2B2)
