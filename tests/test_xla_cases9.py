@@ -332,3 +332,52 @@ def test_while_body_cond_changes_sharding():  # While whose body holds a Conditi
   def body(i: jax.Array, c: jax.Array) -> jax.Array:
     return lax.cond(i % 2 == 0, lambda v: v.T, lambda v: jnp.tanh(v), c)
   no_more_than_xla(lambda x: lax.fori_loop(0, 3, body, x), (randn(8, 8),), P("a", "b"), A2B2)
+
+
+# --- Gaps closed this round --------------------------------------------------------------------
+
+def test_dynamic_slice_traced_two_dims_gathers_smaller_first():  # DynamicSlice, traced, 2x2x2
+  """Both dims gathered for a traced dynamic slice of f32[8,8] P(('a','b'),'c'): the dim over
+  'c' first (64 B, then 256 B), as XLA, 320 B (was 384 B: dim 0 first, 128 B then 256 B)."""
+  f = lambda x, i, j: lax.dynamic_slice(x, (i, j), (3, 5))
+  plan = no_more_than_xla(f, (randn(8, 8), np.int32(2), np.int32(4)), (P(("a", "b"), "c"), P(), P()),
+                          "a2b2c2")
+  assert plan.total_bytes == 320, plan.explain()
+
+
+def test_vector_matrix_contracting_axes_disagree():  # DotPartialContracting, v on a, m on b
+  """v f32[16] P('a') @ m f32[16,8] P('b','a'): v's blocks over 'a' hold the blocks over 'b'
+  the dot needs; one collective-permute of a 'b' block (16 B) and the all-reduce over 'b'
+  (16 B), 32 B as XLA (was 80 B: v gathered)."""
+  plan = no_more_than_xla(lambda v, m: v @ m, (randn(16), randn(16, 8, seed=1)),
+                          (P("a"), P("b", "a")), "a2b4")
+  assert plan.total_bytes == 32, plan.explain()
+
+
+def test_reshard_to_finer_blocks_on_other_axes():  # ReshardTiledTo, P('a') -> P('b')
+  """f32[16,4] P('a') -> P('b') on a 2x4 mesh: one collective-permute of the [4,4] block, 64 B
+  (was 256 B: gathered over 'a', then sliced)."""
+  plan = no_more_than_xla(lambda x: x * 2, (randn(16, 4),), P("a"), "a2b4", P("b"))
+  assert plan.total_bytes == 64, plan.explain()
+
+
+def test_reshard_to_finer_blocks_two_axes_3d_int32():  # ReshardTiledTo, P('b') -> P(('c','a'))
+  no_more_than_xla(lambda x: x + 1, (ints(8, 4),), P("b", None), "a2b2c2", P(("c", "a"), None))
+
+
+# --- Known gaps --------------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "prod of f32[4,8] P('c',('a','b')) along dim 1 on 2x2x2: spmd all-gathers the per-shard "
+    "products, 32 B; XLA all-reduces them with a multiply, 8 B (JAX has no product all-reduce)"))
+def test_reduce_prod_over_two_axes_3d():  # TiledToTiledReduce, multiply over ('a','b')
+  no_more_than_xla(lambda x: jnp.prod(x, axis=1), (randn(4, 8) * 0.1 + 1,),
+                   P("c", ("a", "b")), "a2b2c2")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "f32[6,4] P(('a','b')) (uneven, 2 rows per shard) reshaped to [24], output open: spmd leaves "
+    "the merged dim unsharded and gathers it, 128 B; XLA realigns the rows by permutes and "
+    "returns it over 'a', 96 B"))
+def test_reshape_merge_uneven_major_dim():  # ReshapeMergeDimsWithHaloExchange, uneven
+  no_more_than_xla(lambda x: x.reshape(24), (randn(6, 4),), P(("a", "b")), A2B2)

@@ -25,7 +25,8 @@ taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise a dim keeping 
 realigns its blocks to the kept ones by collective-permutes and gathers the rest (``Realign``),
 and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
 first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
-collective-permute of whole blocks (``TradeBlocks``).
+collective-permute of whole blocks (``TradeBlocks``); a dim whose new blocks each lie inside one
+old block, in one collective-permute of the new block (``TakeSubBlocks``).
 """
 from __future__ import annotations
 
@@ -278,6 +279,72 @@ class SwapAxes(ReshardStep):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TakeSubBlocks(ReshardStep):
+  """``dim`` goes from its axes in ``before`` to those in ``after``, each of whose blocks lies
+  inside one block of the former (P('a') -> P('b') on a 2x4 mesh): every device slices one
+  target block out of its own and sends it to a device that needs it, each holder of a block
+  serving one such device (itself where it can), in one collective-permute of the target block,
+  as XLA's device permutation does. ``axes``: the mesh axes of either, in mesh order."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def routes(self, mesh: MeshShape) -> tuple[list[tuple[int, int]], list[int]]:
+    """(source, target) devices linearized in ``axes`` order, and the target block (numbered
+    within its source block) each device sends."""
+    have, want = self.before.dims[self.dim], self.after.dims[self.dim]
+    ratio = axes_size(want, mesh) // axes_size(have, mesh)
+    holders: dict[int, list[int]] = {}
+    needers: dict[int, list[int]] = {}
+    blocks = []
+    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
+      coords = dict(zip(self.axes, idx))
+      holders.setdefault(_block(have, coords, mesh), []).append(k)
+      blocks.append(_block(want, coords, mesh))
+      needers.setdefault(blocks[-1] // ratio, []).append(k)
+    pairs, sends = [], [0] * len(blocks)
+    for block, sources in holders.items():
+      targets = needers[block]
+      own = [k for k in sources if k in targets]
+      rest = zip([k for k in sources if k not in own], [k for k in targets if k not in own])
+      for src, dst in [(k, k) for k in own] + list(rest):
+        pairs.append((src, dst))
+        sends[src] = blocks[dst] % ratio
+    return pairs, sends
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    """The target block, sliced and sent."""
+    out = list(self.after.local_shape(shape, mesh))
+    return out, out
+
+  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    return self.run(x, mesh)
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    pairs, sends = self.routes(mesh)
+    size = x.shape[self.dim] * axes_size(self.before.dims[self.dim], mesh) // axes_size(
+        self.after.dims[self.dim], mesh)
+    start = jnp.asarray(sends, jnp.int32)[shard_index(self.axes)] * size
+    return permute(lax.dynamic_slice_in_dim(x, start, size, self.dim), self.axes, pairs, mesh)
+
+
+def _sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` as one ``TakeSubBlocks`` where that applies: no partial sums, one dim
+  changing its axes, sharded before and after, each target block inside one source block
+  (evenly split); else None."""
+  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+  if src.partial or dst.partial or len(changed) != 1:
+    return None
+  d = changed[0]
+  have, want = axes_size(src.dims[d], mesh), axes_size(dst.dims[d], mesh)
+  if not src.dims[d] or want % have or shape[d] % want:
+    return None
+  axes = tuple(a for a in mesh if a in src.dims[d] or a in dst.dims[d])
+  return (TakeSubBlocks(axes=axes, before=src, after=dst, dim=d, shape=shape, itemsize=itemsize,
+                        mesh=mesh),)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Realign(ReshardStep):
   """An uneven ``dim`` of ``size`` rows split over ``axes`` that keeps its first ``kept`` axes and
   is about to gather the rest (the next step): each device takes the rows at its place in the
@@ -389,8 +456,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   move straight to the dim that wants it next, the plan that parks such an axis in the dim
   that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
   axes between dims by all-to-alls rather than gathering them, where axes only trade
-  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), and where
-  axes trade dims while others are dropped, that permute before gathering the dropped axes."""
+  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), where
+  axes trade dims while others are dropped, that permute before gathering the dropped axes, and
+  where one dim's new blocks lie inside its old ones, one ``TakeSubBlocks``."""
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
   if any(isinstance(s, AllGather) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
@@ -399,6 +467,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     summed = TensorSharding(src.dims)
     reduced = (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
                          itemsize=itemsize, mesh=mesh),)
+  sub_blocks = _sub_blocks(src, dst, shape, itemsize, mesh)
+  if sub_blocks is not None:
+    options.append(sub_blocks)
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
@@ -541,9 +612,15 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
     if not moved and park:
       moved = _park(dims, target, shape, mesh, emit)
   reorder()
-  # 5. All-gather the axes a dim must lose (minor first, one collective per dim); kept axes
-  # behind lost ones are first made major by a collective-permute where that moves less.
-  for d, want in enumerate(target):
+  # 5. All-gather the axes a dim must lose (minor first, one collective per dim; the dims whose
+  # gathers grow the array least first, so that each gather's result is the smallest it can be,
+  # as XLA orders them); kept axes behind lost ones are first made major by a
+  # collective-permute where that moves less.
+  def growth(d: int) -> int:
+    return count(dims[d]) // count([a for a in dims[d] if a in target[d]])
+
+  for d in sorted(range(len(target)), key=growth):
+    want = target[d]
     order = _kept_first(dims[d], want, shape[d], mesh)
     if order is not None:
       emit(CollectivePermute, CollectivePermute.moving_axes(dims[d], order, mesh),
