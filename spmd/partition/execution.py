@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from spmd.partition.halo_geometry import (Exchange, Hop, geometry, hops, joint_mirrors,
+from spmd.partition.halo_geometry import (Exchange, Halo, Hop, geometry, hops, joint_mirrors,
                                           plan_reversal, plan_rotation, plan_scatter_halos,
                                           plan_window)
 from spmd.partition.ir import Value
@@ -206,9 +206,17 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape,
                    TensorSharding(_sharding(tf, axes).dims, pending,
                                   rule.combiner if pending else "sum")
                    for v, tf in zip(c.results, rule.results))
-  halos = joint_mirrors(tuple(h for w in rule.windows if axes[w.factor] and w not in whole
-                             for h in _halos(w, axes[w.factor], mesh)))
+  halos = joint_mirrors(_dilated_last(tuple(
+      h for w in rule.windows if axes[w.factor] and w not in whole
+      for h in _halos(w, axes[w.factor], mesh))))
   return Execution(c, axes, needs, produces, halos)
+
+
+def _dilated_last(halos: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
+  """``halos`` with the base-dilated ones last: a later dim is exchanged on the buffer widened
+  along the earlier ones, which a dilated dim widens by its dilation (XLA exchanges on the
+  undilated rows)."""
+  return tuple(sorted(halos, key=lambda h: isinstance(h, Halo) and h.dilation > 1))
 
 
 def _reading_whole(ex: Execution, shardings: Mapping[Value, TensorSharding],
