@@ -1,0 +1,154 @@
+"""flax's own examples, an eleventh round (google/flax examples/ and the NNX guides), small and
+written as their users write them, run through spmd.partition on the ("data", "model") meshes:
+a gemma-style NNX block whose grouped-query attention is ``jax.nn.dot_product_attention`` over 6
+query and 3 key/value heads, both uneven over "model", trained by ``nnx.Optimizer`` of
+``optax.chain(clip_by_global_norm, adamw)`` on a schedule with a weight-decay mask; NNX's
+optimizer guide's gradient accumulation (``optax.MultiSteps``), ``optax.masked`` weight decay and
+an EMA copy of the model updated in the step; ``nnx.LoRA`` adapters over a base ``nnx.Linear``
+split over "model", only the adapters trained (``nnx.DiffState``); seq2seq's LSTM encoder-decoder
+(``nn.RNN``, ``nn.scan``) teacher-forced into a cross-entropy over a vocabulary uneven over
+"model"; and wmt-style decoding with ``nnx.MultiHeadAttention(decode=True)`` and ``init_cache``,
+heads over "model" and the batch over "data", several steps fed back from Python.
+Each is checked against the jitted unpartitioned step, step by step where the state is fed back,
+then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan)."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from helpers import as_mesh, assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop
+
+MESH_4X2 = {"data": 4, "model": 2}
+
+
+def sharded(*names):
+  """lecun_normal, its dims named by mesh axes (the NNX sharding guide's kernel_init)."""
+  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+
+def tokens_of(batch: int, length: int, vocab: int, seed: int = 0) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).integers(1, vocab, (batch, length)), jnp.int32)
+
+
+# --- gemma-style block: RMSNorm, RoPE, grouped-query jax.nn.dot_product_attention, gated MLP -----
+
+EMBED, HEADS, KV_HEADS, HEAD_DIM, GQA_VOCAB = 16, 6, 3, 4, 20
+
+
+def rope(x, positions, max_wavelength: float = 10_000.0):
+  """Rotary embedding of x [B, T, N, H] at positions [T]."""
+  half = x.shape[-1] // 2
+  timescale = max_wavelength ** (2 * jnp.arange(half) / x.shape[-1])
+  angle = (positions[:, None] / timescale)[:, None, :]
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  first, second = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+class GqaBlock(nnx.Module):
+  """One pre-norm block: 6 query heads over 3 key/value heads (jax.nn.dot_product_attention
+  groups them), the heads over "model" (uneven over 4), a gated GeLU MLP."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(GQA_VOCAB, EMBED, rngs=rngs)
+    self.attention_norm, self.mlp_norm = nnx.RMSNorm(EMBED, rngs=rngs), nnx.RMSNorm(EMBED,
+                                                                                    rngs=rngs)
+    self.q = nnx.LinearGeneral(EMBED, (HEADS, HEAD_DIM), use_bias=False, rngs=rngs,
+                               kernel_init=sharded(None, "model", None))
+    self.kv = nnx.LinearGeneral(EMBED, (2, KV_HEADS, HEAD_DIM), use_bias=False, rngs=rngs,
+                                kernel_init=sharded(None, None, "model", None))
+    self.out = nnx.LinearGeneral((HEADS, HEAD_DIM), EMBED, axis=(-2, -1), use_bias=False,
+                                 rngs=rngs, kernel_init=sharded("model", None, None))
+    self.gate = nnx.Linear(EMBED, 32, use_bias=False, rngs=rngs, kernel_init=sharded(None, "model"))
+    self.up = nnx.Linear(EMBED, 32, use_bias=False, rngs=rngs, kernel_init=sharded(None, "model"))
+    self.down = nnx.Linear(32, EMBED, use_bias=False, rngs=rngs, kernel_init=sharded("model", None))
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    positions = jnp.arange(tokens.shape[1])
+    h = self.attention_norm(x)
+    q = rope(self.q(h), positions)
+    kv = self.kv(h)
+    k, v = rope(kv[:, :, 0], positions), kv[:, :, 1]
+    x = x + self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    h = self.mlp_norm(x)
+    x = x + self.down(nnx.gelu(self.gate(h)) * self.up(h))
+    return self.embed.attend(x)
+
+
+def decay_where(decays):
+  """A weight-decay mask over an NNX params state: True at the variables whose name
+  ``decays(name)`` accepts (each leaf's path ends in its variable's name, then ``.value``)."""
+  return lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: decays(path[-2].key), params)
+
+
+def lm_step(model, optimizer, tokens):
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_gemma_style_gqa_uneven_heads_clipped_adamw_schedule():
+  """3 steps on 2x4: q's 6 heads and k/v's 3 split 2,2,2,0 and 1,1,1,0 over "model"."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=1, decay_steps=4)
+
+  def fresh():
+    with nnx.use_eager_sharding(False):  # the names stay metadata: spmd reads them
+      model = GqaBlock(nnx.Rngs(0))
+      decayed = decay_where(lambda name: name != "scale")  # not the norms' scales
+      tx = optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, weight_decay=0.1, mask=decayed))
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  batches = [(tokens_of(4, 7, GQA_VOCAB, seed=s),) for s in range(3)]
+  nnx_steps(lm_step, fresh, mesh_of("2x4"), (None, None, P("data")), batches)
+
+
+# --- NNX optimizer guide: gradient accumulation, masked weight decay, an EMA copy of the model ---
+
+class Mlp(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.Linear(12, 16, rngs=rngs, kernel_init=sharded(None, "model"))
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.down = nnx.Linear(16, 4, rngs=rngs, kernel_init=sharded("model", None))
+
+  def __call__(self, x):
+    return self.down(self.norm(nnx.relu(self.up(x))))
+
+
+def accumulating_step(model, optimizer, ema, x, y):
+  """A step of the accumulated optimizer, then the EMA copy moved toward the params (as the
+  optimizer guide keeps an ``nnx.clone`` of the model and ``nnx.update``s it)."""
+  loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+  optimizer.update(model, grads)
+  averaged = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, nnx.state(ema, nnx.Param),
+                          nnx.state(model, nnx.Param))
+  nnx.update(ema, averaged)
+  return loss
+
+
+def test_nnx_optimizer_multisteps_masked_decay_and_ema_copy():
+  """4 steps on 4x2, the optimizer applying every second; 6 rows over 4 "data" shards."""
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = Mlp(nnx.Rngs(0))
+      kernels = decay_where(lambda name: name == "kernel")
+      tx = optax.MultiSteps(optax.chain(
+          optax.clip_by_global_norm(1.0), optax.masked(optax.add_decayed_weights(0.1), kernels),
+          optax.adam(optax.exponential_decay(1e-2, 2, 0.5))), every_k_schedule=2)
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param), nnx.clone(model)
+
+  batches = [(randn(6, 12, seed=s), randn(6, 4, seed=s + 10)) for s in range(4)]
+  nnx_steps(accumulating_step, fresh, as_mesh(MESH_4X2), (None, None, None, P("data"), P("data")),
+            batches)
