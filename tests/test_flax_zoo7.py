@@ -152,3 +152,100 @@ def test_nnx_optimizer_multisteps_masked_decay_and_ema_copy():
   batches = [(randn(6, 12, seed=s), randn(6, 4, seed=s + 10)) for s in range(4)]
   nnx_steps(accumulating_step, fresh, as_mesh(MESH_4X2), (None, None, None, P("data"), P("data")),
             batches)
+
+
+# --- LoRA (the NNX LoRA guide): nnx.LoRA adapters around a base model split over "model" --------
+
+class AdaptedMlp(nnx.Module):
+  """Two ``nnx.LoRA`` adapters (rank 3) whose base ``nnx.Linear``s are a column- and a
+  row-split kernel over a hidden dim of 20 (uneven over 8); lora_b / lora_a follow them."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    up = nnx.Linear(16, 20, rngs=rngs, kernel_init=sharded(None, "model"))
+    down = nnx.Linear(20, 16, rngs=rngs, kernel_init=sharded("model", None))
+    nonzero = nnx.initializers.normal(0.1)  # so the first step trains lora_a too
+    self.up = nnx.LoRA(16, 3, 20, base_module=up, rngs=rngs, b_initializer=nonzero,
+                       b_metadata={"out_sharding": (None, "model")})
+    self.down = nnx.LoRA(20, 3, 16, base_module=down, rngs=rngs, b_initializer=nonzero,
+                         a_metadata={"out_sharding": ("model", None)})
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+def adapter_step(model, optimizer, x, y):
+  diff = nnx.DiffState(0, nnx.LoRAParam)
+  loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2), argnums=diff)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_nnx_lora_adapters_over_a_split_base_model():
+  def fresh():
+    with nnx.use_eager_sharding(False):
+      model = AdaptedMlp(nnx.Rngs(0))
+      return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.LoRAParam)
+
+  batches = [(randn(8, 16, seed=s), randn(8, 16, seed=s + 10)) for s in range(3)]
+  _, (model, _) = nnx_steps(adapter_step, fresh, mesh_of("1x8"), (None, None, P("data"),
+                                                                  P("data")), batches)
+  base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+  with nnx.use_eager_sharding(False):
+    untrained = AdaptedMlp(nnx.Rngs(0))
+  assert_trees_match(nnx.state(model, base), nnx.state(untrained, base))
+
+
+# --- seq2seq (examples/seq2seq): LSTM encoder-decoder, teacher forcing, an uneven vocabulary -----
+
+SEQ_VOCAB = 13  # over "model" of 4: 4, 4, 4, 1
+SEQ_RULES = (("batch", "data"), ("vocab", "model"), ("embed", None), ("hidden", None))
+
+
+class TeacherForcedCell(nn.Module):
+  """One decoder step reading the embedded target token, predicting the next one's logits over
+  the vocabulary (its kernel named "vocab")."""
+  features: int
+
+  @nn.compact
+  def __call__(self, carry, x):
+    carry, y = nn.OptimizedLSTMCell(self.features)(carry, x)
+    kernel_init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("hidden", "vocab"))
+    return carry, nn.Dense(SEQ_VOCAB, kernel_init=kernel_init)(y)
+
+
+class Seq2seqLM(nn.Module):
+  features: int = 16
+
+  @nn.compact
+  def __call__(self, inputs, targets):
+    """inputs [B, S], targets [B, T] token ids (targets[:, 0] the start token): logits
+    [B, T - 1, SEQ_VOCAB] for targets[:, 1:]."""
+    embed = nn.Embed(SEQ_VOCAB, 8, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")))
+    carry, _ = nn.RNN(nn.OptimizedLSTMCell(self.features), return_carry=True)(embed(inputs))
+    decoder = nn.scan(TeacherForcedCell, variable_broadcast="params", split_rngs={"params": False},
+                      in_axes=1, out_axes=1)
+    _, logits = decoder(self.features)(carry, embed(targets[:, :-1]))
+    return logits
+
+
+def seq2seq_step(state, inputs, targets):
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, inputs, targets)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets[:, 1:]).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads), loss
+
+
+def test_seq2seq_integer_targets_vocabulary_uneven_over_model():
+  """3 steps on 2x4 of a state holding the boxed params as flax's examples do (their logical
+  names resolved by the rules): the embedding and output kernel split 4, 4, 4, 1 along vocab."""
+  inputs, targets = tokens_of(4, 5, SEQ_VOCAB), tokens_of(4, 6, SEQ_VOCAB, seed=1)
+  model = Seq2seqLM()
+  params = jax.jit(model.init)(jax.random.key(0), inputs, targets)["params"]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+  step = spmd.partition(seq2seq_step, mesh=mesh_of("2x4"), in_specs=(None, P("batch"), P("batch")),
+                        rules=SEQ_RULES)
+  batches = [(jnp.roll(inputs, s, axis=1), jnp.roll(targets, s, axis=0)) for s in range(3)]
+  train_loop(jax.jit(seq2seq_step), step, (state,), batches, rtol=1e-4, atol=1e-5)
