@@ -307,12 +307,10 @@ def split_decode_step(graphdef, state, token):
   return greedy_step(model, token), nnx.state(model)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "uneven inputs are padded and sharded before the program, so an output returning one "
-    "unchanged is gathered again: the k and v kernels f32[16,2,4] P(None,'model',None) on 2x4 "
-    "come back whole at 1024 B each, 4096 B per device in all where XLA, taking them whole and "
-    "slicing, moves 2752 B"))
 def test_nnx_split_decode_step_returns_uneven_params_without_gathering():
+  """The k and v kernels f32[16,2,4] P(None,'model',None), uneven over 4, come back unchanged:
+  they arrive whole and are sliced on entry, as XLA takes them (2048 B per device, XLA 2752 B;
+  padded and split before the program they were gathered again, 1024 B each, 4096 B in all)."""
   with nnx.use_eager_sharding(False):
     model = GqaDecoder(nnx.Rngs(0))
     model.attention.init_cache((4, 6, EMBED))
