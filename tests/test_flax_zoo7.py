@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (FLAX_MESHES, as_mesh, assert_trees_match, check_plan, mesh_of,
-                     nnx_steps, no_more_than_xla, randn, train_loop)
+from helpers import (as_mesh, assert_trees_match, check_plan, mesh_of, nnx_steps, no_more_than_xla,
+                     randn, train_loop)
+from test_flax_examples import lm_train_step  # next-token cross-entropy through nnx.Optimizer
 
 MESH_4X2 = {"data": 4, "model": 2}
 
@@ -92,16 +92,6 @@ def decay_where(decays):
       lambda path, _: decays(path[-2].key), params)
 
 
-def lm_step(model, optimizer, tokens):
-  def loss_fn(model):
-    logits = model(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-  loss, grads = nnx.value_and_grad(loss_fn)(model)
-  optimizer.update(model, grads)
-  return loss
-
-
 def test_gemma_style_gqa_uneven_heads_clipped_adamw_schedule():
   """3 steps on 2x4: q's 6 heads and k/v's 3 split 2,2,2,0 and 1,1,1,0 over "model"."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=1, decay_steps=4)
@@ -115,7 +105,7 @@ def test_gemma_style_gqa_uneven_heads_clipped_adamw_schedule():
       return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   batches = [(tokens_of(4, 7, GQA_VOCAB, seed=s),) for s in range(3)]
-  nnx_steps(lm_step, fresh, mesh_of("2x4"), (None, None, P("data")), batches)
+  nnx_steps(lm_train_step, fresh, mesh_of("2x4"), (None, None, P("data")), batches)
 
 
 # --- NNX optimizer guide: gradient accumulation, masked weight decay, an EMA copy of the model ---
@@ -257,8 +247,8 @@ def test_seq2seq_integer_targets_vocabulary_uneven_over_model():
 # --- wmt / lm1b decoding: nnx.MultiHeadAttention(decode=True), its cache made by init_cache -----
 
 class GqaDecoder(nnx.Module):
-  """Embedding, one grouped-query decoding attention (4 query heads over "model", 2 key/value
-  heads: uneven over 4) and the tied output."""
+  """Embedding, one grouped-query decoding attention (4 query heads and 2 key/value heads over
+  "model": uneven over its 4 on 2x4) and the tied output."""
 
   def __init__(self, rngs: nnx.Rngs):
     self.embed = nnx.Embed(GQA_VOCAB, EMBED, rngs=rngs)
@@ -278,10 +268,11 @@ def greedy_step(model, token):
   return jnp.argmax(model(token), axis=-1).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("mesh,batch", [(FLAX_MESHES["2x4"], 4), (MESH_4X2, 6)], ids=["2x4", "4x2"])
-def test_nnx_gqa_decode_cache_fed_back_from_python(mesh, batch):
-  """5 steps, each a partitioned call whose cache the module keeps, the sampled token fed back;
-  6 sequences over 4 "data" shards on 4x2."""
+def test_nnx_gqa_decode_cache_fed_back_from_python():
+  """5 steps on 4x2, each a partitioned call whose cache the module keeps, the sampled token fed
+  back; 6 sequences over 4 "data" shards (the cache's batch uneven)."""
+  batch = 6
+
   def fresh():
     with nnx.use_eager_sharding(False):
       model = GqaDecoder(nnx.Rngs(0))
@@ -289,7 +280,7 @@ def test_nnx_gqa_decode_cache_fed_back_from_python(mesh, batch):
       return model
 
   ours, reference = fresh(), fresh()
-  step = spmd.partition(greedy_step, mesh=as_mesh(mesh), in_specs=(None, P("data")))
+  step = spmd.partition(greedy_step, mesh=as_mesh(MESH_4X2), in_specs=(None, P("data")))
   jitted = nnx.jit(greedy_step)
   token = tokens_of(batch, 1, GQA_VOCAB)
   for _ in range(5):
