@@ -83,8 +83,9 @@ class Planner:
     return self.render(self.schedule(boundary))
 
   def schedule(self, boundary: Boundary) -> Scheduled:
-    """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
-    uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
+    """Open inputs, inputs returned unchanged (``_returned_whole``) and every output get
+    shardings that divide their dims: JAX arrays cannot hold uneven shards (an uneven out_spec
+    is returned replicated along that dim, with a warning)."""
     program, mesh = self.program, self.mesh
     prop = self.propagator(_seeds(program, boundary, self.annotations))
     wanted = tuple(spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
