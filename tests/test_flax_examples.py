@@ -649,25 +649,27 @@ class NnxLM(nnx.Module):
     return self.embed.attend(x)
 
 
+def lm_train_step(model, optimizer, tokens):
+  """A language model's next-token cross-entropy step through an ``nnx.Optimizer``."""
+  def loss_fn(model):
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
 def test_nnx_transformer_logical_names_with_rules():
-  def step(model, optimizer, tokens):
-    def loss_fn(model):
-      logits = model(tokens[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return loss
-
   def fresh():
     with nnx.use_eager_sharding(False):  # the names stay metadata: spmd resolves them
       model = NnxLM(nnx.Rngs(0))
       return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
 
   ours, reference = fresh(), fresh()
-  partitioned = spmd.partition(step, mesh=mesh_of("2x4"), in_specs=(None, None, P("batch")),
-                               rules=NNX_RULES)
-  jitted = nnx.jit(step)
+  partitioned = spmd.partition(lm_train_step, mesh=mesh_of("2x4"),
+                               in_specs=(None, None, P("batch")), rules=NNX_RULES)
+  jitted = nnx.jit(lm_train_step)
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 24, (4, 9)), jnp.int32)
   for s in range(3):
     batch = jnp.roll(tokens, s, axis=1)

@@ -90,19 +90,24 @@ class Planner:
     return self.render(self.schedule(boundary))
 
   def schedule(self, boundary: Boundary) -> Scheduled:
-    """Open inputs and every output get shardings that divide their dims: JAX arrays cannot hold
-    uneven shards (an uneven out_spec is returned replicated along that dim, with a warning)."""
+    """Open inputs, inputs returned unchanged (``_returned_whole``) and every output get
+    shardings that divide their dims: JAX arrays cannot hold uneven shards (an uneven out_spec
+    is returned replicated along that dim, with a warning)."""
     program, mesh = self.program, self.mesh
     prop = self.propagator(_seeds(program, boundary, self.annotations))
-    inputs = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
-                   for v, spec, arrival in zip(program.inputs, boundary.inputs,
-                                               boundary.arrivals))
-    entries = tuple(spec if spec is not None and arrival is not None and spec != arrival
-                    else None for spec, arrival in zip(boundary.inputs, boundary.arrivals))
     wanted = tuple(spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
                    else TensorSharding.replicated(len(atom.aval.shape))
                    for atom, spec in zip(program.outputs, boundary.outputs))
     outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
+    forms = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
+                  for v, spec, arrival in zip(program.inputs, boundary.inputs,
+                                              boundary.arrivals))
+    whole = _returned_whole(program, forms, outputs, mesh)
+    inputs = tuple(w or form for w, form in zip(whole, forms))
+    entries = tuple(form if w else spec if spec is not None and arrival is not None
+                    and spec != arrival else None
+                    for w, form, spec, arrival in zip(whole, forms, boundary.inputs,
+                                                      boundary.arrivals))
     key = (prop.layout, inputs, entries, outputs)
     sched = self._schedules.get(key)
     if sched is None:
@@ -131,6 +136,22 @@ class Planner:
                        scheduled.boundary, scheduled.wanted, self.mesh, self.backend, self.name,
                        self.in_tree, self.out_tree)
     return Analysis(self.program, scheduled.propagation, scheduled.schedule, plan)
+
+
+def _returned_whole(program: Program, forms: tuple[TensorSharding, ...],
+                    outputs: tuple[TensorSharding, ...],
+                    mesh: MeshShape) -> tuple[TensorSharding | None, ...]:
+  """Per input split unevenly and returned unchanged in the even form its split makes (an NNX
+  step's untouched params): that form, in which it then arrives and is sliced into its split on
+  entry, as XLA takes it, so the output is the input as it came rather than its blocks gathered
+  again; None for every other input (padded before the program)."""
+  returned: dict[Value, TensorSharding] = {}
+  for atom, s in zip(program.outputs, outputs):
+    if isinstance(atom, Value):
+      returned.setdefault(atom, s)
+  return tuple(returned.get(v) if not form.divides(v.shape, mesh)
+               and returned.get(v) == _even(form, v.shape, mesh) else None
+               for v, form in zip(program.inputs, forms))
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
