@@ -249,7 +249,7 @@ class Partitioned:
       return out
     structure, leaves = _structure(args, self.static_argnums)
     if structure is not None:
-      structure = (structure, self._rules.rules)
+      structure = (structure, self._rules.rules, _in_mesh_context(self.mesh))
     steady = self._steady.get(structure) if structure is not None else None
     if steady is not None:
       out = steady.call(leaves)
@@ -398,7 +398,8 @@ class Partitioned:
     arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
                                     f"the sharding of argument {name}")
                      for leaf, aval, name in zip(leaves, avals, leaf_names))
-    key = (in_tree, avals, statics, given, arrivals, self._rules.rules)
+    key = (in_tree, avals, statics, given, arrivals, self._rules.rules,
+           _in_mesh_context(self.mesh))
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
                 for name, spec in zip(leaf_names, requested)]
@@ -451,8 +452,12 @@ class Partitioned:
     lower = lower_spmd if self.backend == "spmd" else lower_xla
     in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
                          zip(requested, analysis.schedule.inputs, program.inputs))
-    first = next(((sharding, len(v.shape)) for r, sharding, v in
-                  zip(requested, in_shardings, program.inputs) if r is not None), None)
+    # jax.jit's in_shardings as given (a committed argument sharded otherwise is resharded here,
+    # where jax.jit refuses it), whose spelling an output sharded alike takes under set_mesh
+    first = next(((self._spelled(r, g, len(v.shape)), len(v.shape)) for r, g, v in
+                  zip(requested, given, program.inputs) if r is not None), None)
+    if not _in_mesh_context(self.mesh):
+      first = None
     out_shardings = self._returned_shardings(requests, analysis, first)
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)
@@ -639,8 +644,9 @@ class Partitioned:
     where the program makes that sharding, else the program's spec as JAX spells a sharding it
     infers: one entry per dim on a mesh with Explicit axes (the output's type), else the
     ``first`` input's sharding as in_specs spell it where the output has its rank and is sharded
-    alike (JAX recovers the user's spelling so: pxla's ``maybe_recover_user_shardings``), else
-    without trailing Nones."""
+    alike (JAX recovers the user's spelling so under ``jax.set_mesh`` of this mesh: pxla's
+    ``maybe_recover_user_shardings``; ``first`` is None elsewhere), else without trailing
+    Nones."""
     explicit = AxisType.Explicit in self.mesh.axis_types
     out = []
     for given, s, x in zip(requests, analysis.schedule.outputs, analysis.program.outputs):
@@ -830,6 +836,13 @@ def _names_logical(spec: Any, mesh: Mesh) -> bool:
   """Whether a PartitionSpec names something other than ``mesh``'s axes (logical names)."""
   return isinstance(spec, P) and any(isinstance(e, str) and e not in mesh.axis_names
                                      for e in spec)
+
+
+def _in_mesh_context(mesh: Mesh) -> bool:
+  """Whether the caller runs under ``jax.set_mesh`` of ``mesh``: only there does ``jax.jit``
+  give an inferred output the first input's spelling (pxla's
+  ``_get_out_sharding_from_orig_sharding`` compares the output type's mesh with it)."""
+  return jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
 
 
 def _trimmed(spec: P) -> P:

@@ -102,6 +102,13 @@ def assert_trees_match(got: Any, want: Any, rtol: float | None = None, atol: flo
       np.testing.assert_array_equal(g, w, err_msg=f"leaf {k}")
 
 
+def as_jax(args: tuple) -> tuple:
+  """``args`` with numpy leaves as uncommitted jax arrays (made outside ``jax.set_mesh``, which
+  would commit them), so that a function may use jax-only methods (x.at[...]) on them."""
+  return jax.tree_util.tree_map(
+      lambda a: jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a, tuple(args))
+
+
 def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
                                out_specs: Any = None, rtol: float | None = None,
                                atol: float | None = None, *, atol_per_magnitude: bool = False,
@@ -127,9 +134,7 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
   backend = backend or os.environ.get("SPMD_TEST_BACKEND")
   if backend:
     options["backend"] = backend
-  # numpy leaves as jax arrays, so that ``fn`` may use jax-only methods (x.at[...]) on them
-  args = jax.tree_util.tree_map(
-      lambda a: jnp.asarray(a) if isinstance(a, (np.ndarray, np.generic)) else a, tuple(args))
+  args = as_jax(args)
   f = spmd.partition(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **options)
   plan = f.plan(*args)
   out = f(*args)
@@ -153,15 +158,16 @@ def assert_partitioned_matches(fn: Callable, args: tuple, in_specs: Any, mesh: M
 
 def check_jit(fn: Callable, args: tuple, in_specs: Any, mesh: Any, out_specs: Any = None,
               **options: Any) -> spmd.Plan:
-  """``assert_partitioned_matches`` with ``jax.jit`` (the same shardings, traced under the mesh
-  as JAX's tests do) as the reference: its values, and its outputs' shardings, dtypes and weak
-  types (``assert_like_jit``). Returns the plan."""
-  mesh = as_mesh(mesh)
+  """``assert_partitioned_matches`` with ``jax.jit`` (the same shardings) as the reference: its
+  values, and its outputs' shardings, dtypes and weak types (``assert_like_jit``). Both run under
+  ``jax.set_mesh`` of the mesh, as JAX's tests do (an output sharded like an input is spelled as
+  in_specs spell it there, and trimmed of trailing Nones elsewhere). Returns the plan."""
+  mesh, arrays = as_mesh(mesh), as_jax(args)  # uncommitted unless the caller set a mesh
   with jax.set_mesh(mesh):
     want = jax.jit(fn, in_shardings=named(mesh, in_specs),
                    out_shardings=named(mesh, out_specs))(*args)
-  return assert_partitioned_matches(fn, args, in_specs, mesh, out_specs,
-                                    reference=lambda *_: want, like=want, **options)
+    return assert_partitioned_matches(fn, arrays, in_specs, mesh, out_specs,
+                                      reference=lambda *_: want, like=want, **options)
 
 
 def both(fn: Callable, in_specs: Any, out_specs: Any = None,

@@ -247,6 +247,21 @@ def test_committed_uncommitted_and_numpy_arguments(mesh):
   check_plan(f, other, W)
 
 
+def test_an_output_sharded_like_an_input_is_spelled_as_jax_jit_spells_it_in_each_context(mesh):
+  """Under jax.set_mesh of the mesh, jax.jit gives an open output sharded like its first input
+  that input's in_shardings spelling, P('data', None); elsewhere it trims trailing Nones. spmd
+  does so in both contexts, also for an argument committed otherwise (resharded inside)."""
+  matmul = lambda x, y: x @ y  # noqa: E731
+  specs = (P("data", None), P(None, "data"))
+  f = spmd.partition(matmul, mesh=mesh, in_specs=specs)
+  y = randn(8, 16, seed=2)
+  assert f(X, y).sharding.spec == jitted(matmul, mesh, specs)(X, y).sharding.spec == P("data")
+  with jax.set_mesh(mesh):
+    want = jitted(matmul, mesh, specs)(X, y).sharding.spec
+    assert want == P("data", None)
+    assert f(X, y).sharding.spec == f(jnp.asarray(X), jnp.asarray(y)).sharding.spec == want
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_])
 def test_python_scalars_and_weak_types(mesh, dtype):
   """int, float and bool scalars (weakly typed), a numpy scalar and a strongly typed 0-d array

@@ -38,11 +38,6 @@ def test_elementwise_conflicting_operands_output():  # ShardingPropagation Eleme
                    (P("a", None), P(None, "b")), "a2b4", like_jit=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "spelling: outside jax.set_mesh jax.jit returns x@y of x P('a', None), y P(None, 'a') as "
-    "P('a',); spmd returns in_specs' spelling P('a', None), which jax.jit gives only under "
-    "jax.set_mesh, as helpers.check_jit (spmd called outside it) expects: both cannot hold; "
-    "same bytes, 256 B"))
 def test_dot_operands_disagree_output():  # ShardingPropagation DotMergeOperands
   no_more_than_xla(lambda x, y: x @ y, (randn(8, 8), randn(8, 8, seed=1)),
                    (P("a", None), P(None, "a")), "a2b4", like_jit=True)
