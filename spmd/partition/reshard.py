@@ -25,8 +25,7 @@ taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise a dim keeping 
 realigns its blocks to the kept ones by collective-permutes and gathers the rest (``Realign``),
 and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
 first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
-collective-permute of whole blocks (``TradeBlocks``); dims whose new blocks each lie inside one
-old block, in one collective-permute of the new block (``TakeSubBlocks``).
+collective-permute of whole blocks (``TradeBlocks``).
 """
 from __future__ import annotations
 
@@ -279,78 +278,6 @@ class SwapAxes(ReshardStep):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TakeSubBlocks(ReshardStep):
-  """Dims change their axes so that each new block lies inside one old block (P('a') -> P('b')
-  on a 2x4 mesh; P('c', 'a') -> P(('a', 'b'), 'c') on a 2x2x2 mesh): every device slices one new
-  block out of its own and sends it to a device that needs it, each holder of a block serving
-  one such device (itself where it can), in one collective-permute of the new block, as XLA's
-  device permutation does. ``axes``: the mesh axes of the changing dims, in mesh order."""
-
-  kind: ClassVar[str] = "collective-permute"
-
-  def changing(self) -> list[int]:
-    return [d for d, (h, w) in enumerate(zip(self.before.dims, self.after.dims)) if h != w]
-
-  def routes(self, mesh: MeshShape) -> tuple[list[tuple[int, int]], list[list[int]]]:
-    """(source, target) devices linearized in ``axes`` order, and per changing dim the new block
-    (numbered within its old block) each device sends."""
-    dims = self.changing()
-    ratios = [axes_size(self.after.dims[d], mesh) // axes_size(self.before.dims[d], mesh)
-              for d in dims]
-    holders: dict[tuple[int, ...], list[int]] = {}
-    needers: dict[tuple[int, ...], list[int]] = {}
-    wanted = []
-    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
-      coords = dict(zip(self.axes, idx))
-      holders.setdefault(tuple(_block(self.before.dims[d], coords, mesh) for d in dims),
-                         []).append(k)
-      wanted.append([_block(self.after.dims[d], coords, mesh) for d in dims])
-      needers.setdefault(tuple(b // r for b, r in zip(wanted[-1], ratios)), []).append(k)
-    pairs, sends = [], [[0] * len(wanted) for _ in dims]
-    for block, sources in holders.items():
-      targets = needers[block]
-      own = [k for k in sources if k in targets]
-      rest = zip([k for k in sources if k not in own], [k for k in targets if k not in own])
-      for src, dst in [(k, k) for k in own] + list(rest):
-        pairs.append((src, dst))
-        for i, r in enumerate(ratios):
-          sends[i][src] = wanted[dst][i] % r
-    return pairs, sends
-
-  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
-    """The new block, sliced and sent."""
-    out = list(self.after.local_shape(shape, mesh))
-    return out, out
-
-  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
-    return self.run(x, mesh)
-
-  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    pairs, sends = self.routes(mesh)
-    me = shard_index(self.axes)
-    for d, sent in zip(self.changing(), sends):
-      size = x.shape[d] * axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d],
-                                                                            mesh)
-      x = lax.dynamic_slice_in_dim(x, jnp.asarray(sent, jnp.int32)[me] * size, size, d)
-    return permute(x, self.axes, pairs, mesh)
-
-
-def _sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
-                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` as one ``TakeSubBlocks`` where that applies: no partial sums, some dim
-  sharded before, each new block inside one old block of every changing dim (evenly split);
-  else None."""
-  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
-  if (src.partial or dst.partial or not any(src.dims[d] for d in changed)
-      or any(axes_size(dst.dims[d], mesh) % axes_size(src.dims[d], mesh)
-             or shape[d] % axes_size(dst.dims[d], mesh) for d in changed)):
-    return None
-  axes = tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in changed))
-  return (TakeSubBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
-                        mesh=mesh),)
-
-
-@dataclass(frozen=True, kw_only=True)
 class Realign(ReshardStep):
   """An uneven ``dim`` of ``size`` rows split over ``axes`` that keeps its first ``kept`` axes and
   is about to gather the rest (the next step): each device takes the rows at its place in the
@@ -479,9 +406,8 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   move straight to the dim that wants it next, the plan that parks such an axis in the dim
   that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
   axes between dims by all-to-alls rather than gathering them, where axes only trade
-  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), where
-  axes trade dims while others are dropped, that permute before gathering the dropped axes, and
-  where the new blocks lie inside the old ones, one ``TakeSubBlocks``."""
+  dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), and where
+  axes trade dims while others are dropped, that permute before gathering the dropped axes."""
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
   if any(isinstance(s, AllGather) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
@@ -490,9 +416,6 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     summed = TensorSharding(src.dims)
     reduced = (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
                          itemsize=itemsize, mesh=mesh),)
-  sub_blocks = _sub_blocks(src, dst, shape, itemsize, mesh)
-  if sub_blocks is not None:
-    options.append(sub_blocks)
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
