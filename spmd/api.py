@@ -455,9 +455,8 @@ class Partitioned:
     # jax.jit's in_shardings as given (a committed argument sharded otherwise is resharded here,
     # where jax.jit refuses it), whose spelling an output sharded alike takes under set_mesh
     first = next(((self._spelled(r, g, len(v.shape)), len(v.shape)) for r, g, v in
-                  zip(requested, given, program.inputs) if r is not None), None)
-    if not _in_mesh_context(self.mesh):
-      first = None
+                  zip(requested, given, program.inputs) if r is not None),
+                 None) if _in_mesh_context(self.mesh) else None
     out_shardings = self._returned_shardings(requests, analysis, first)
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)

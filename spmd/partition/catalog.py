@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -120,13 +120,18 @@ def linear_solve_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tu
   return params["jaxprs"].solve, (*inputs[start:start + lengths.solve], *inputs[sum(lengths):])
 
 
+def _traced_over(fn: Callable, inputs: tuple) -> tuple[Any, tuple]:
+  """``fn``'s jaxpr at ``inputs``' shapes and dtypes, read on ``inputs``: an op's body written as
+  the ordinary primitives JAX lowers it to."""
+  return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
+                              for x in inputs)), inputs
+
+
 def hi_primitive_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple]:
   """``call_hi_primitive`` (JAX 0.12's "hijax" ops: ``jnp.nonzero(size=...)``, ``jnp.unique``) is
   its expansion into ordinary primitives, traced here as JAX expands it when it lowers."""
   (call,) = primitives_named("call_hi_primitive")
-  expand = functools.partial(call.to_lojax, _prim=params["_prim"])
-  return jax.make_jaxpr(expand)(*(jax.ShapeDtypeStruct(x.aval.shape, x.aval.dtype)
-                                  for x in inputs)), inputs
+  return _traced_over(functools.partial(call.to_lojax, _prim=params["_prim"]), inputs)
 
 
 def split_as_slices(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple]:
@@ -137,8 +142,7 @@ def split_as_slices(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tupl
   def pieces(x: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(jax.lax.slice_in_dim(x, end - int(n), end, axis=axis)
                  for end, n in zip(ends, params["sizes"]))
-  return jax.make_jaxpr(pieces)(jax.ShapeDtypeStruct(inputs[0].aval.shape,
-                                                     inputs[0].aval.dtype)), inputs
+  return _traced_over(pieces, inputs)
 
 
 def transposing_reshape(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
@@ -150,8 +154,7 @@ def transposing_reshape(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, 
 
   def transposed(x: jax.Array) -> jax.Array:
     return jax.lax.reshape(jax.lax.transpose(x, params["dimensions"]), params["new_sizes"])
-  return jax.make_jaxpr(transposed)(jax.ShapeDtypeStruct(inputs[0].aval.shape,
-                                                         inputs[0].aval.dtype)), inputs
+  return _traced_over(transposed, inputs)
 
 
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
