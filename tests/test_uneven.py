@@ -536,6 +536,21 @@ def test_uneven_output_is_returned_gathered_with_a_warning(out_specs):
   assert plan.out_specs == P(None, None, None, None)
 
 
+def test_uneven_input_returned_unchanged_is_whole_already_and_warns_only_when_asked():
+  """An uneven input returned unchanged arrives whole and leaves whole: nothing is gathered, so
+  an open output is not warned about; a given uneven out_spec still says it cannot be honoured."""
+  def f(x, y):
+    return x, y * 2
+
+  args = data((30, 4)), data((30, 4), seed=1)
+  plan = assert_partitioned_matches(f, args, (P("x"), P("x")), "x4")
+  (warning,) = [w for w in plan.warnings if "cannot hold uneven shards" in w]
+  assert warning.startswith("output 1,") and "bytes per device gathered" in warning
+  plan = assert_partitioned_matches(f, args, (P("x"), P("x")), "x4", (P("x"), P()))
+  (warning,) = [w for w in plan.warnings if "cannot hold uneven shards" in w]
+  assert warning.startswith("out_specs[0] P('x', None)") and "nothing gathered" in warning
+
+
 # --- fewer rows than shards ------------------------------------------------------------------------
 
 def _small_batch_step(x, w):

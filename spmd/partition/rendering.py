@@ -31,7 +31,9 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   exits = {t.slot.index: t for t in sched.exit}
   warnings = [_uneven_output_warning(k, atom, wanted[k], sched.outputs[k], exits.get(k), boundary,
                                      mesh)
-              for k, atom in enumerate(program.outputs) if sched.outputs[k] != wanted[k]]
+              for k, atom in enumerate(program.outputs)
+              if sched.outputs[k] != wanted[k]
+              and (boundary.outputs[k] is not None or _gathered(exits.get(k)))]
   producers = _producers(program, boundary)
   copies = copy_counts(program)
   annotations = {op.outputs[0]: op for op in program.all_ops()
@@ -238,11 +240,16 @@ def _aval_text(aval: Any) -> str:
 def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: TensorSharding,
                            t: Transfer | None, boundary: Boundary, mesh: MeshShape) -> str:
   """An output sharded unevenly (by out_specs, or by propagation where out_specs leave it open)
-  comes back gathered along that dim; says what it costs and what the user could do instead."""
+  comes back gathered along that dim; says what it costs and what the user could do instead
+  (an open output that is whole already is not warned about: nothing surprising happens)."""
   shape = atom.aval.shape
   given = boundary.outputs[k] is not None
   what = f"out_specs[{k}] {wanted}" if given else f"output {k}, sharded {wanted} inside the program,"
-  cost = 0 if t is None else sum(step.bytes for step in t.steps if step.communicates)
+  cost = _gathered(t)
+  head = (f"{what} does not split {atom.aval.str_short()} evenly: JAX arrays cannot hold "
+          f"uneven shards, so it is returned as {returned}")
+  if not cost:
+    return f"{head} (it is whole already: nothing gathered)"
   hints = []
   for d, axes in enumerate(wanted.dims):
     if not axes or shape[d] % wanted.shards(d, mesh) == 0:
@@ -254,6 +261,9 @@ def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: 
       spec[moved[0]] = axes
       hints.append(f"out_specs {returned.with_dims(spec)} (dim {moved[0]} splits evenly)")
     hints.append(f"padding dim {d} from {shape[d]} to {-(-shape[d] // count) * count}")
-  return (f"{what} does not split {atom.aval.str_short()} evenly: JAX arrays cannot hold "
-          f"uneven shards, so it is returned as {returned} ({cost} bytes per device gathered); "
-          f"cheaper: {' or '.join(hints)}")
+  return f"{head} ({cost} bytes per device gathered); cheaper: {' or '.join(hints)}"
+
+
+def _gathered(t: Transfer | None) -> int:
+  """Bytes per device an output's exit transfer moves (0 where it has none)."""
+  return 0 if t is None else sum(step.bytes for step in t.steps if step.communicates)
