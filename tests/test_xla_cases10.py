@@ -10,7 +10,9 @@ meshes; concatenates of uneven pieces along a sharded dim; partially replicated 
 convolutions (a kernel tiled on its input features only, grouped convolutions whose groups
 straddle shards); parallel-dim gathers and scatters on 4x2; iotas and broadcasts along
 unsharded dims of 3-D tilings; tuple reduces mixing sum and max; and tiled-to-tiled and
-replicated-to-tiled reshards inside while loop bodies.
+replicated-to-tiled reshards inside while loop bodies; and the gap closed this round (a reshard
+whose new blocks lie inside the old ones, for a value's sole reader, one collective-permute of
+the new block).
 Each test names the XLA test it mirrors (or the family it extends), checks values, plan ==
 compiled HLO and no replicated fallback (tests/helpers.py), and that spmd moves no more bytes
 per device than XLA's own partitioner with the same specs; strict xfails give both counts."""
@@ -29,8 +31,6 @@ from test_xla_cases8 import conv
 
 A2B2 = {"a": 2, "b": 2}  # the first 4 devices
 A4B2 = {"a": 4, "b": 2}
-# A reshard whose new blocks each lie inside one old block (docs/ARCHITECTURE.md, Known gaps).
-FINER = "the reduced P('a') block to finer blocks on other axes is gathered and sliced"
 
 
 # --- Explicit reshards (shardy's explicit_reshards tests) ---------------------------------------
@@ -67,23 +67,22 @@ def test_elementwise_three_operands_three_tilings_4x2():  # explicit_reshards: s
                    (P("a", "b"), P("b", "a"), P(None, "a")), A4B2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    f"{FINER}: all-reduce(b) 16 B then all-gather(a) 32 B, 48 B; XLA all-reduces and permutes "
-    "the [2] block, 24 B"))
 def test_reduce_result_sharded_on_reduced_axis():  # explicit_reshards: reduce, result on 'b'
-  no_more_than_xla(lambda x: x.sum(1), (randn(8, 8),), P("a", "b"), "a2b4", P("b"))
+  """The [4] partial sums all-reduced over 'b' (16 B), then each device's [2] block of P('b')
+  permuted from its own (8 B), 24 B as XLA (was 48 B: all-gathered over 'a' and sliced)."""
+  plan = no_more_than_xla(lambda x: x.sum(1), (randn(8, 8),), P("a", "b"), "a2b4", P("b"))
+  assert plan.total_bytes == 24, plan.explain()
 
 
 def test_reduce_result_on_reduced_axis_reduce_scatter():  # explicit_reshards: reduce-scatter
   no_more_than_xla(lambda x: x.sum(1), (randn(4, 16),), P(None, "b"), "a2b4", P("b"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    f"{FINER}: all-reduce(a,c) 16 B then all-gather(b) 32 B, 48 B; XLA all-reduces and permutes "
-    "the [2] block, 24 B"))
-def test_reduce_max_result_on_reduced_axes_3d():  # explicit_reshards: reduce_max, result on ('a','c')
-  no_more_than_xla(lambda x: x.max(0), (randn(8, 8),), P(("a", "c"), "b"), "a2b2c2",
-                   P(("a", "c")))
+def test_reduce_max_result_on_reduced_axes_3d():  # explicit_reshards: reduce_max on ('a','c')
+  """All-reduced (max) over ('a','c') (16 B), then the [2] block permuted, 24 B as XLA."""
+  plan = no_more_than_xla(lambda x: x.max(0), (randn(8, 8),), P(("a", "c"), "b"), "a2b2c2",
+                          P(("a", "c")))
+  assert plan.total_bytes == 24, plan.explain()
 
 
 # --- Propagation: backward from an output spec, forward from an input --------------------------
@@ -268,9 +267,9 @@ def test_while_body_replicated_to_tiled_reshard():  # While, ReplicatedToTiled i
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "the carry's P('a') -> P('b') (finer blocks on other axes) and P('b') -> P('a') (coarser) "
-    "are each gathered whole and sliced in the body: 128 + 32 + 128 = 288 B per trip; XLA "
-    "moves 64 B (an all-to-all and a permute of the [2,4] block)"))
+    "the carry's P('b') -> P('a') (coarser blocks on other axes) is gathered whole and sliced "
+    "in the body: 32 (permute) + 32 (all-to-all) + 128 = 192 B per trip; XLA moves 64 B (an "
+    "all-to-all and a permute of the [2,4] block)"))
 def test_scan_body_reshards_carry_against_xs():  # While (a scan), TiledToTiled carry vs xs
   mesh = get_mesh("a2b4")
   rows = NamedSharding(mesh, P("b"))
