@@ -238,14 +238,14 @@ class _Scheduler:
     return [(s, steps) for s, steps in options if steps is not None]
 
   def _sole_reader(self, v: Value, reader: Op | None) -> bool:
-    """Whether ``reader`` (None: the program's output) is all that reads ``v`` by any of its
+    """Whether ``reader`` (None: an output) reading ``v`` once is all that reads it by any of its
     names: annotations and repeated ops, which name it, aside. A reshard passing through no
-    other form (``TakeSubBlocks``) then leaves no other reader the worse for it."""
+    other form (``TakeSubBlocks``) then leaves no other read the worse for it."""
     names = self.names.get(v, (v,))
-    readers = {op for n in names for op, _ in self.reads.get(n, ())
-               if op not in self.annotations and op not in self.duplicates}
+    readers = [op for n in names for op, _ in self.reads.get(n, ())
+               if op not in self.annotations and op not in self.duplicates]
     returned = sum(self.returned[n] for n in names)
-    return (readers, returned) == (({reader}, 0) if reader is not None else (set(), 1))
+    return (readers, returned) == (([reader], 0) if reader is not None else ([], 1))
 
   # --- ops --------------------------------------------------------------------------------------
 
