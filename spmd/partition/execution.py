@@ -21,7 +21,7 @@ from spmd.partition.halo_geometry import (Exchange, Halo, Hop, geometry, hops, j
                                           plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
-from spmd.partition.reshard import ReshardStep, Splat, plan_reshard
+from spmd.partition.reshard import ReshardStep, Splat, plan_reshard, sub_blocks
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 from spmd.partition.wire import Wire
@@ -102,6 +102,11 @@ class ExecutionPlanner:
     if steps is None:
       steps = self._reshards[key] = plan_reshard(src, dst, v.shape, key[3], self.mesh)
     return steps
+
+  def sub_blocks(self, v: Value, src: TensorSharding, dst: TensorSharding
+                 ) -> tuple[ReshardStep, ...] | None:
+    """``reshard.sub_blocks`` for ``v`` (None where it does not apply)."""
+    return sub_blocks(src, dst, v.shape, self.wire(v.dtype), self.mesh)
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding], price: Price,
            summed_with: Callable[[Value], int] = lambda v: 1) -> Execution:

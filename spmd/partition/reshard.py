@@ -25,7 +25,8 @@ taken where the blocks nest exactly (k*S(n) == S(n/k)); otherwise a dim keeping 
 realigns its blocks to the kept ones by collective-permutes and gathers the rest (``Realign``),
 and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
 first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
-collective-permute of whole blocks (``TradeBlocks``).
+collective-permute of whole blocks (``TradeBlocks``); dims whose new blocks each lie inside one
+old block, in one collective-permute of the new block (``TakeSubBlocks``, ``sub_blocks``).
 """
 from __future__ import annotations
 
@@ -278,6 +279,91 @@ class SwapAxes(ReshardStep):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TakeSubBlocks(ReshardStep):
+  """Dims change their axes so that each new block lies inside one old block (P('a') -> P('b')
+  on a 2x4 mesh; P('c', 'a') -> P(('a', 'b'), 'c') on a 2x2x2 mesh): every device slices one new
+  block out of its own and sends it to a device that needs it, each holder of a block serving
+  one such device (itself where it can), in one collective-permute of the new block, as XLA's
+  device permutation does. ``axes``: the mesh axes of the changing dims, in mesh order."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def changing(self) -> list[int]:
+    return [d for d, (h, w) in enumerate(zip(self.before.dims, self.after.dims)) if h != w]
+
+  def routes(self, mesh: MeshShape) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """(source, target) devices linearized in ``axes`` order, and per changing dim the new block
+    (numbered within its old block) each device sends."""
+    dims = self.changing()
+    ratios = [axes_size(self.after.dims[d], mesh) // axes_size(self.before.dims[d], mesh)
+              for d in dims]
+    holders: dict[tuple[int, ...], list[int]] = {}
+    needers: dict[tuple[int, ...], list[int]] = {}
+    wanted = []
+    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
+      coords = dict(zip(self.axes, idx))
+      holders.setdefault(tuple(_block(self.before.dims[d], coords, mesh) for d in dims),
+                         []).append(k)
+      wanted.append([_block(self.after.dims[d], coords, mesh) for d in dims])
+      needers.setdefault(tuple(b // r for b, r in zip(wanted[-1], ratios)), []).append(k)
+    pairs, sends = [], [[0] * len(wanted) for _ in dims]
+    for block, sources in holders.items():
+      targets = needers[block]
+      own = [k for k in sources if k in targets]
+      rest = zip([k for k in sources if k not in own], [k for k in targets if k not in own])
+      for src, dst in [(k, k) for k in own] + list(rest):
+        pairs.append((src, dst))
+        for i, r in enumerate(ratios):
+          sends[i][src] = wanted[dst][i] % r
+    return pairs, sends
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    """The new block, sliced and sent."""
+    out = list(self.after.local_shape(shape, mesh))
+    return out, out
+
+  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
+    return self.run(x, mesh)
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    pairs, sends = self.routes(mesh)
+    me = shard_index(self.axes)
+    for d, sent in zip(self.changing(), sends):
+      size = x.shape[d] * axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d],
+                                                                            mesh)
+      x = lax.dynamic_slice_in_dim(x, jnp.asarray(sent, jnp.int32)[me] * size, size, d)
+    return permute(x, self.axes, pairs, mesh)
+
+
+def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` as one ``TakeSubBlocks`` (after an all-reduce of partial sums ``dst``
+  does not keep) where that applies: some dim sharded before, each new block inside one old block of every changing dim (evenly split);
+  else None. Not among ``plan_reshard``'s options: it skips the forms a gather passes through,
+  which a value's other readers may reuse, so the schedule takes it only for a sole reader."""
+  summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
+  changed = [d for d, (h, w) in enumerate(zip(summed.dims, dst.dims)) if h != w]
+  if (summed.partial or dst.partial or not any(summed.dims[d] for d in changed)
+      or any(axes_size(dst.dims[d], mesh) % axes_size(summed.dims[d], mesh)
+             or shape[d] % axes_size(dst.dims[d], mesh) for d in changed)):
+    return None
+  axes = tuple(a for a in mesh if any(a in summed.dims[d] or a in dst.dims[d] for d in changed))
+  return reduced + (TakeSubBlocks(axes=axes, before=summed, after=dst, shape=shape,
+                                  itemsize=itemsize, mesh=mesh),)
+
+
+def _reduced(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+             mesh: MeshShape) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
+  """``src`` with its partial sums all-reduced where ``dst`` has none, and that step (none
+  where nothing is reduced)."""
+  if not src.partial or dst.partial:
+    return src, ()
+  summed = TensorSharding(src.dims)
+  return summed, (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
+                            itemsize=itemsize, mesh=mesh),)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Realign(ReshardStep):
   """An uneven ``dim`` of ``size`` rows split over ``axes`` that keeps its first ``kept`` axes and
   is about to gather the rest (the next step): each device takes the rows at its place in the
@@ -411,11 +497,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
   if any(isinstance(s, AllGather) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
-  summed, reduced = src, ()
-  if src.partial and not dst.partial:  # the partial sums reduced first, then traded
-    summed = TensorSharding(src.dims)
-    reduced = (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
-                         itemsize=itemsize, mesh=mesh),)
+  summed, reduced = _reduced(src, dst, shape, itemsize, mesh)  # reduced first, then traded
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Hashable, Mapping
 
@@ -158,6 +159,9 @@ class _Scheduler:
     self.annotations = program.annotations
     self.kinds: dict[Op, Hashable | None] = {}
     self.executions = executions
+    self.returned = Counter(x for x in program.outputs if isinstance(x, Value))
+    self.returned.update(x for op, _ in program.nested_ops for r in op.regions
+                         for x in r.outputs if isinstance(x, Value))
 
   # --- forms ------------------------------------------------------------------------------------
 
@@ -217,11 +221,31 @@ class _Scheduler:
     depth = self.scopes.get(self.aliases.get(v, v), 0)
     hoisted = depth < len(self.enclosing)
     src, steps = self._best(v, dst)
+    if not hoisted and self._sole_reader(v, reader):
+      src, steps = min([(src, steps)] + self._sub_blocks(v, dst),
+                       key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
     (self.enclosing[depth] if hoisted else out).append(
         Transfer(v, src, dst, steps, slot, reader if hoisted else None))
     for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
       if form not in self.forms[v]:
         self.forms[v].append(form)
+
+  def _sub_blocks(self, v: Value, dst: TensorSharding
+                  ) -> list[tuple[TensorSharding, tuple[ReshardStep, ...]]]:
+    """Each form of ``v`` with the ``TakeSubBlocks`` reshard from it to ``dst``, where one
+    applies."""
+    options = [(s, self.executions.sub_blocks(v, s, dst)) for s in self.forms[v]]
+    return [(s, steps) for s, steps in options if steps is not None]
+
+  def _sole_reader(self, v: Value, reader: Op | None) -> bool:
+    """Whether ``reader`` (None: an output) reading ``v`` once is all that reads it by any of its
+    names: annotations and repeated ops, which name it, aside. A reshard passing through no
+    other form (``TakeSubBlocks``) then leaves no other read the worse for it."""
+    names = self.names.get(v, (v,))
+    readers = [op for n in names for op, _ in self.reads.get(n, ())
+               if op not in self.annotations and op not in self.duplicates]
+    returned = sum(self.returned[n] for n in names)
+    return (readers, returned) == (([reader], 0) if reader is not None else ([], 1))
 
   # --- ops --------------------------------------------------------------------------------------
 
