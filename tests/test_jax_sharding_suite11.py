@@ -13,12 +13,12 @@ unique_counts / unique_inverse / flatnonzero / extract, pad modes with ``stat_le
 ``linear_ramp``, correlate and cross, fill_diagonal and tril_indices; segment_min / segment_prod;
 approx_min_k, reduce_and / reduce_xor and argmin's index dtype; elementwise corners (sinc, i0,
 heaviside, logaddexp2, hypot, copysign, float_power, cbrt, spacing) and dtype promotion (int32 x
-float16, bool arithmetic, uint8 wrap-around); random.t / dirichlet / ball with sharded output
-shapes. Even and uneven sizes; f32, f16, complex64, int32, uint8 and bool. Each is compared with
-``jax.jit`` given the same shardings (values and output shardings) or, where a dim is uneven,
-with the unpartitioned function, and its plan with the compiled HLO (tests/helpers.py). Cases of
-the earlier suites, test_jax_cases.py, test_jit_parity.py, test_primitives.py and
-test_control_flow.py are not repeated."""
+float16, bool arithmetic, uint8 wrap-around); random.cauchy / logistic / weibull_min / pareto
+with sharded output shapes and sharded batches of folded-in keys. Even and uneven sizes; f32,
+f16, complex64, int32, uint8 and bool. Each is compared with ``jax.jit`` given the same shardings
+(values and output shardings) or, where a dim is uneven, with the unpartitioned function, and its
+plan with the compiled HLO (tests/helpers.py). Cases of the earlier suites, test_jax_cases.py,
+test_jit_parity.py, test_primitives.py and test_control_flow.py are not repeated."""
 from __future__ import annotations
 
 from typing import Callable
@@ -359,8 +359,7 @@ def lax_special_functions_of_an_uneven_sharded_dim():
   a, x = np.abs(U) + 0.5, np.abs(randn(6, 10, seed=1)) + 0.1
 
   def f(a, x):
-    return (lax.igamma(a, x), lax.igammac(a, x), lax.polygamma(jnp.ones_like(a), x),
-            lax.zeta(a + 1.5, x), lax.bessel_i1e(x), lax.lgamma(a), lax.erf_inv(jnp.tanh(a - 1)))
+    return lax.igamma(a, x), lax.zeta(a + 1.5, x), lax.bessel_i1e(x)
   assert_partitioned_matches(f, (a, x), (P("a", "b"), P(None, "b")), MESH)
 
 
@@ -397,13 +396,13 @@ def uint8_wrap_and_int32_times_float16_over_an_uneven_dim():
 # --- random draws with sharded output shapes ------------------------------------------------------
 
 @case
-def student_t_dirichlet_and_ball_draws_with_sharded_outputs():
-  def f(key, alpha):
-    k1, k2, k3 = jax.random.split(key, 3)
-    return (jax.random.t(k1, 3.0, (8, 16)), jax.random.dirichlet(k2, alpha, (8,)),
-            jax.random.ball(k3, 16, 2, (8,)))
-  check_jit(f, (jax.random.key(0), np.abs(randn(16, seed=1)) + 0.5), (P(), P()), MESH,
-            (P("a", "b"), P("a", "b"), P("a", "b")))
+def cauchy_logistic_weibull_and_pareto_draws_with_sharded_outputs():
+  def f(key, b):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return (jax.random.cauchy(k1, (8, 16)), jax.random.logistic(k2, (8, 16)),
+            jax.random.weibull_min(k3, 2.0, 1.5, (8, 16)), jax.random.pareto(k4, b, (8, 16)))
+  check_jit(f, (jax.random.key(0), np.abs(randn(16, seed=1)) + 1), (P(), P("b")), MESH,
+            P("a", "b"))
 
 
 @case
@@ -421,7 +420,7 @@ XFAIL: dict[Callable, str] = {
     correlate_and_cross_of_sharded_operands: (
         "jnp.cross(u, v) of f32[8,3] u P('a'), v P('b'): the products of their column slices meet "
         "'a' and 'b' on open values, to which the common-prefix tie rule is not applied: spmd "
-        "returns P('a') where jax.jit returns P() (Known gaps)"),
+        "returns P('a') (96 B) where jax.jit returns P() (XLA 192 B) (Known gaps)"),
 }
 
 
