@@ -319,6 +319,57 @@ def segment_min_and_prod_with_sorted_and_unsorted_ids():
   check_jit(f, (X.T.copy(), ids_sorted, ids), (P("b", "a"), P("b"), P("b")), MESH)
 
 
+@case
+def resize_append_and_sized_compress_of_sharded_arrays():
+  def f(x, m):
+    return (jnp.resize(x, (12, 16)), jnp.append(x, x[:2], axis=0),
+            jnp.compress(m, x, axis=1, size=10, fill_value=-1.0))
+  check_jit(f, (X, randn(16, seed=1) > 0), (P("a", "b"), P("b")), MESH)
+
+
+@case
+def nan_arg_reductions_and_nanmedian_along_sharded_dims():
+  """With out_specs: open, an arg reduction along a sharded dim comes back with its axes moved
+  (Known gaps)."""
+  x = X.copy()
+  x[2, 5] = x[6, :3] = np.nan
+
+  def f(x):
+    return jnp.nanargmax(x, 1), jnp.nanargmin(x, 0), jnp.nanmedian(x, 0), jnp.nanpercentile(x, 30, 1)
+  check_jit(f, (x,), P("a", "b"), MESH, (P("a"), P("b"), P("b"), P("a")))
+
+
+@case
+def segment_sum_with_a_bucket_size_over_an_uneven_sharded_dim():
+  ids = np.sort(indices(4, 10, seed=2))
+
+  def f(x, i):
+    return (jax.ops.segment_sum(x.T, i, 4, indices_are_sorted=True, bucket_size=3),
+            jax.ops.segment_max(x.T, i, 5, mode="clip"))
+  assert_partitioned_matches(f, (U, ids), (P("a", "b"), P("b")), MESH)
+
+
+@case
+def einsum_with_greedy_path_highest_precision_and_a_preferred_type():
+  a, b, c = (randn(8, 16).astype(jnp.bfloat16), randn(16, 4, seed=1).astype(jnp.bfloat16),
+             randn(4, 8, seed=2).astype(jnp.bfloat16))
+
+  def f(a, b, c, x, w):
+    return (jnp.einsum("ij,jk,kl->il", a, b, c, optimize="greedy",
+                       preferred_element_type=jnp.float32),
+            jnp.einsum("ij,jk->ik", x, w, precision=lax.Precision.HIGHEST, optimize=False))
+  check_jit(f, (a, b, c, X, randn(16, 8, seed=3)),
+            (P("a", "b"), P("b"), P(None, "a"), P("a", "b"), P("b")), MESH)
+
+
+@case
+def conv_patches_of_an_image_sharded_along_its_height():
+  def f(x):
+    return lax.conv_general_dilated_patches(x, (3, 3), (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  check_jit(f, (randn(2, 8, 8, 3),), P("a", "b"), MESH)
+
+
 # --- lax ops along sharded dims -------------------------------------------------------------------
 
 @case
@@ -373,6 +424,14 @@ def int32_times_float16_and_bool_arithmetic():
     return i * h, b + b, b * h, jnp.sum(b, 1), b.astype(np.int8) - True, i / 3, -b.astype(int)
   check_jit(f, (ints(8, 16, high=20), h, X > 0), (P("a", "b"), P(None, "b"), P("a")), MESH)
 
+
+@case
+def weak_typed_python_scalars_keep_narrow_dtypes():
+  def f(i8, h, b, u):
+    return i8 * 3 + 1, h + 1.5, b * 2, u // 2 + 7, (i8 > 0) + 1, h * True, jnp.float32(2) * h
+  args = (ints(8, 16, high=40).astype(np.int8), randn(8, 16, seed=1).astype(np.float16),
+          randn(8, 16, seed=2).astype(jnp.bfloat16), ints(8, 16, seed=3, high=100).astype(np.uint16))
+  check_jit(f, args, (P("a", "b"), P(None, "b"), P("a"), P("b")), MESH)
 
 @case
 def uint8_arithmetic_wraps_around():
