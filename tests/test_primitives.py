@@ -721,10 +721,12 @@ def test_top_k(mesh, spec):
 
 
 def test_a_primitive_listed_replicated_runs_replicated():
-  """approx_top_k is in catalog.REPLICATED: its operand is gathered and it runs whole on every
-  device, the plan warns, and the gather is what the compiled program moves."""
-  plan = assert_partitioned_matches(lambda x: lax.approx_max_k(x * 2, 3)[0] + 1, (randn(8, 16),),
-                                    (P("x", None),), "x8", replicated=("approx_top_k",))
+  """ragged_dot_general is in catalog.REPLICATED: its operand is gathered and it runs whole on
+  every device, the plan warns, and the gather is what the compiled program moves."""
+  def f(x, w):
+    return lax.ragged_dot(x * 2, w, jnp.array([3, 5], jnp.int32)) + 1
+  plan = assert_partitioned_matches(f, (randn(8, 16), randn(2, 16, 4, seed=1)),
+                                    (P("x", None), P()), "x8", replicated=("ragged_dot_general",))
   assert [c.kind for c in plan.collectives] == ["all-gather"], plan.explain()
 
 

@@ -68,7 +68,6 @@ REPLICATED: dict[str, str] = {
     "rng_bit_generator": "its bits depend on the whole output shape, so no device can compute "
                          "its block alone",
     "rng_uniform": "its bits depend on the whole output shape",
-    "approx_top_k": "no rule yet: the reduced dim must be whole (as top_k)",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
     "composite": "a composite's decomposition runs on whole operands",
@@ -219,6 +218,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("cumlogsumexp",), _cumulative("logaddexp")),
       (("sort",), PrimitiveInfo(sort.sort)),
       (("top_k",), PrimitiveInfo(sort.top_k)),
+      (("approx_top_k",), PrimitiveInfo(sort.approx_top_k)),
       # contractions
       (("dot_general",), PrimitiveInfo(dot.dot_general, Linearity((0, 1)))),
       (("conv_general_dilated",), PrimitiveInfo(conv.conv_general_dilated, Linearity((0, 1)),

@@ -13,7 +13,8 @@ Policy (deterministic), per factor:
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
-     reduction, then closed before open.
+     reduction, then the earlier tensor, closed or open (as Shardy's, so `sin(x) @ c` with x
+     P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does).
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
 Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
@@ -351,12 +352,12 @@ class _Engine:
     # a tensor along that one whichever wins, so it yields the axis rather than make the op move
     # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
     # common axes), a pass factor before a reduction (whose partial result is summed later),
-    # then the larger candidate, then closed before open (a closed tensor that loses an axis here
-    # is resharded for this op, never changed).
+    # then the larger candidate, then the earlier tensor, closed or open (as Shardy's: a closed
+    # tensor that loses an axis here is resharded for this op, never changed).
     def order(t: tuple[bool, int, Axes, _Candidate]) -> tuple:
       disagreed, f, _, best = t
       return (-max(best.size, result_sizes.get(f, 0)), disagreed,
-              rule.kinds[f] is FactorKind.REDUCTION, -best.size, not best.closed, best.pos, f)
+              rule.kinds[f] is FactorKind.REDUCTION, -best.size, best.pos, f)
     for _, f, axes, best in sorted(chosen, key=order):
       keep = prefix_without(axes, used)
       used.update(keep)
