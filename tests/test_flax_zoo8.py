@@ -174,3 +174,184 @@ def test_nnx_split_into_params_batch_stats_and_counts_functional_step():
   batches = [(randn(6, 10, 2, seed=s), labels_of(6, 4, s)) for s in range(2)]
   train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"), in_specs=in_specs),
              (params, stats, counts, tx.init(params)), batches, rtol=1e-4, atol=1e-5)
+
+
+# --- the linen <-> NNX bridge carrying BatchNorm statistics -------------------------------------
+
+class LinenNormBlock(nn.Module):
+  """A linen Dense -> BatchNorm -> Dropout block (its statistics in "batch_stats")."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.8)(nn.Dense(10, use_bias=False)(x))
+    return nn.Dropout(0.25, deterministic=not train)(nn.relu(x))
+
+
+class BridgedNormClassifier(nnx.Module):
+  """``nnx.bridge.ToNNX`` of the linen block, called with ``mutable=["batch_stats"]`` in
+  training, as the bridge guide writes it; its statistics become NNX state."""
+
+  def __init__(self, x, rngs: nnx.Rngs):
+    self.block = nnx.bridge.ToNNX(LinenNormBlock(), rngs=rngs)
+    nnx.bridge.lazy_init(self.block, x, train=False)
+    self.head = nnx.Linear(10, 3, rngs=rngs)
+
+  def __call__(self, x, train: bool):
+    mutable = ["batch_stats"] if train else False
+    return self.head(self.block(x, train=train, mutable=mutable))
+
+
+def bridged_step(model, optimizer, x, labels):
+  def loss_fn(model):
+    logits = model(x, train=True)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss, model(x, train=False)
+
+
+def test_nnx_bridge_to_nnx_linen_batchnorm_stats_updated():
+  """3 steps on 4x2, 12 rows over "data": the linen block's batch_stats, carried as NNX state,
+  match nnx.jit's after the steps, dropout keys drawn from the bridge's forked Rngs."""
+  def fresh():
+    model = BridgedNormClassifier(randn(12, 7), nnx.Rngs(params=0, dropout=1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  batches = [(randn(12, 7, seed=s), labels_of(12, 3, s)) for s in range(3)]
+  nnx_steps(bridged_step, fresh, as_mesh(MESH_4X2), (None, None, P("data"), P("data")), batches)
+
+
+class NnxNormUnit(nnx.Module):
+  """An NNX unit with its own BatchNorm, to run inside linen."""
+
+  def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(din, dout, use_bias=False, rngs=rngs)
+    self.norm = nnx.BatchNorm(dout, momentum=0.8, rngs=rngs)
+
+  def __call__(self, x, *, use_running_average: bool):
+    return nnx.relu(self.norm(self.linear(x), use_running_average=use_running_average))
+
+
+class LinenWithNnxNorm(nn.Module):
+  """``nnx.bridge.to_linen`` of the NNX unit: its BatchStat surfaces as linen's
+  "batch_stats" collection."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nnx.bridge.to_linen(NnxNormUnit, 8, 16)(x, use_running_average=not train)
+    return nn.Dense(3)(x)
+
+
+class NormTrainState(train_state.TrainState):
+  batch_stats: dict
+
+
+def test_linen_bridge_to_linen_nnx_batchnorm_in_train_state():
+  """imagenet's TrainState with batch_stats, the statistics coming from an NNX BatchNorm
+  through ``to_linen``; 3 steps on 2x4, the batch of 6 over "data" (uneven), the hidden units'
+  statistics open, compared with jax.jit's step by step."""
+  model = LinenWithNnxNorm()
+  variables = jax.jit(model.init, static_argnums=2)(jax.random.key(0), randn(6, 8), False)
+  state = NormTrainState.create(apply_fn=model.apply, params=variables["params"],
+                                batch_stats=variables["batch_stats"], tx=optax.sgd(0.1, 0.9))
+
+  def step(state, x, labels):
+    def loss_fn(params):
+      logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats}, x,
+                                       True, mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      return loss, updates["batch_stats"]
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), loss
+
+  batches = [(randn(6, 8, seed=s), labels_of(6, 3, s)) for s in range(3)]
+  train_loop(jax.jit(step), spmd.partition(step, mesh=mesh_of("2x4"),
+                                           in_specs=(None, P("data"), P("data"))),
+             (state,), batches, rtol=1e-4, atol=1e-5)
+
+
+# --- ogbg_molpcba's graph network (jraph's GraphNetwork): edge, node and global updates ---------
+
+class GraphBlock(nnx.Module):
+  """One GraphNetwork layer: edges from their endpoints and their graph's globals, nodes from
+  the sum of incoming and outgoing edges, globals from the sums of their graph's nodes and
+  edges (jraph.GraphNetwork's segment-sum aggregations), each a residual update."""
+
+  def __init__(self, dim: int, rngs: nnx.Rngs):
+    self.edge = nnx.Linear(4 * dim, dim, rngs=rngs)
+    self.node = nnx.Linear(3 * dim, dim, rngs=rngs)
+    self.globe = nnx.Linear(3 * dim, dim, rngs=rngs)
+
+  def __call__(self, h, e, g, senders, receivers, node_graph, edge_graph):
+    nodes, graphs = h.shape[0], g.shape[0]
+    e = e + nnx.relu(self.edge(jnp.concatenate(
+        [e, h[senders], h[receivers], g[edge_graph]], -1)))
+    incoming = jax.ops.segment_sum(e, receivers, num_segments=nodes)
+    outgoing = jax.ops.segment_sum(e, senders, num_segments=nodes)
+    h = h + nnx.relu(self.node(jnp.concatenate([h, incoming, outgoing], -1)))
+    node_sums = jax.ops.segment_sum(h, node_graph, num_segments=graphs)
+    edge_sums = jax.ops.segment_sum(e, edge_graph, num_segments=graphs)
+    return h, e, g + nnx.relu(self.globe(jnp.concatenate([g, node_sums, edge_sums], -1)))
+
+
+class GraphNet(nnx.Module):
+  """Embeddings, two GraphBlocks in an ``nnx.List``, a per-graph task head on the globals."""
+
+  def __init__(self, rngs: nnx.Rngs, dim: int = 8, tasks: int = 4):
+    self.embed_nodes = nnx.Linear(5, dim, rngs=rngs)
+    self.embed_edges = nnx.Linear(3, dim, rngs=rngs)
+    self.blocks = nnx.List([GraphBlock(dim, rngs) for _ in range(2)])
+    self.head = nnx.Linear(dim, tasks, rngs=rngs)
+    self.dim = dim
+
+  def __call__(self, graph):
+    h, e = self.embed_nodes(graph["nodes"]), self.embed_edges(graph["edges"])
+    g = jnp.zeros((graph["graph_mask"].shape[0], self.dim))
+    for block in self.blocks:
+      h, e, g = block(h, e, g, graph["senders"], graph["receivers"], graph["node_graph"],
+                      graph["edge_graph"])
+    return self.head(g)
+
+
+def padded_graphs(nodes_per_graph: list[int], edges: int, nodes: int, seed: int) -> dict:
+  """A batch of graphs as flat arrays, padded as jraph.pad_with_graphs pads them: the padding
+  nodes and edges belong to a last, masked-out graph; edges stay within their graph."""
+  r = np.random.default_rng(seed)
+  sizes = nodes_per_graph + [nodes - sum(nodes_per_graph)]
+  node_graph = np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+  edge_graph = np.sort(r.integers(0, len(sizes), edges)).astype(np.int32)
+  starts = np.cumsum([0] + sizes[:-1])
+  pick = lambda: (starts[edge_graph] + r.integers(0, 1 << 20, edges)  # noqa: E731
+                  % np.asarray(sizes)[edge_graph]).astype(np.int32)
+  return {"nodes": randn(nodes, 5, seed=seed), "edges": randn(edges, 3, seed=seed + 1),
+          "senders": pick(), "receivers": pick(), "node_graph": node_graph,
+          "edge_graph": edge_graph, "labels": (r.random((len(sizes), 4)) > 0.5).astype(np.float32),
+          "graph_mask": np.arange(len(sizes)) < len(nodes_per_graph)}
+
+
+def graph_step(model, optimizer, graph):
+  """ogbg_molpcba's loss: sigmoid cross-entropy over the tasks of the real graphs."""
+  def loss_fn(model):
+    loss = optax.sigmoid_binary_cross_entropy(model(graph), graph["labels"]).mean(-1)
+    return jnp.sum(jnp.where(graph["graph_mask"], loss, 0.0)) / jnp.sum(graph["graph_mask"])
+
+  loss, grads = nnx.value_and_grad(loss_fn)(model)
+  optimizer.update(model, grads)
+  return loss
+
+
+def test_ogbg_graph_network_with_globals_node_and_edge_arrays_sharded():
+  """3 steps on 4x2: the 16 nodes over "data", the 20 edges over both axes (uneven over 8),
+  the 4 graphs (one of them padding) whole; nnx_steps compares loss and params."""
+  def fresh():
+    model = GraphNet(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  edge_spec = P(("data", "model"))
+  spec = {"nodes": P("data"), "node_graph": P("data"), "edges": edge_spec,
+          "senders": edge_spec, "receivers": edge_spec, "edge_graph": edge_spec,
+          "labels": None, "graph_mask": None}
+  batches = [(padded_graphs([4, 6, 3], 20, 16, seed=s),) for s in range(3)]
+  nnx_steps(graph_step, fresh, as_mesh(MESH_4X2), (None, None, spec), batches)
