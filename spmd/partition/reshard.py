@@ -416,6 +416,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     summed = TensorSharding(src.dims)
     reduced = (AllReduce(axes=src.partial, before=src, after=summed, shape=shape,
                          itemsize=itemsize, mesh=mesh),)
+    if any(isinstance(s, ReduceScatter) for s in options[0]):  # one all-reduce over all the
+      # axes may move less than a reduce-scatter over some of them and an all-reduce of the rest
+      options.append(reduced + _plan_reshard(summed, dst, shape, itemsize, mesh, park=False))
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
