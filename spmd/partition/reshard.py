@@ -498,6 +498,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   if any(isinstance(s, AllGather) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)  # reduced first, then traded
+  if reduced and any(isinstance(s, ReduceScatter) for s in options[0]):  # one all-reduce over
+    # all the axes may move less than a reduce-scatter over some and an all-reduce of the rest
+    options.append(reduced + _plan_reshard(summed, dst, shape, itemsize, mesh, park=False))
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
