@@ -642,17 +642,17 @@ class Partitioned:
     output's request (``_out_requests``: its out_specs entry as given, logical names resolved)
     where the program makes that sharding, else the program's spec as JAX spells a sharding it
     infers: one entry per dim on a mesh with Explicit axes (the output's type), else the
-    ``first`` input's sharding as in_specs spell it where the output has its rank and is sharded
-    alike (JAX recovers the user's spelling so under ``jax.set_mesh`` of this mesh: pxla's
-    ``maybe_recover_user_shardings``; ``first`` is None elsewhere), else without trailing
-    Nones."""
+    ``first`` input's sharding as in_specs spell it where the output has its rank, is sharded
+    alike and its type is on this mesh (JAX recovers the user's spelling so under
+    ``jax.set_mesh`` of this mesh: pxla's ``maybe_recover_user_shardings``; ``first`` is None
+    elsewhere; a sort's result type has no mesh), else without trailing Nones."""
     explicit = AxisType.Explicit in self.mesh.axis_types
     out = []
     for given, s, x in zip(requests, analysis.schedule.outputs, analysis.program.outputs):
       ndim = len(x.aval.shape)
       made = self._spelled(given, s, ndim)
       if (given is None and not explicit and first is not None and first[1] == ndim
-          and first[0].is_equivalent_to(made, ndim)):
+          and _typed_on(x.aval, self.mesh) and first[0].is_equivalent_to(made, ndim)):
         made = first[0]
       out.append(made)
     return tuple(out)
@@ -842,6 +842,13 @@ def _in_mesh_context(mesh: Mesh) -> bool:
   give an inferred output the first input's spelling (pxla's
   ``_get_out_sharding_from_orig_sharding`` compares the output type's mesh with it)."""
   return jax.sharding.get_abstract_mesh() == mesh.abstract_mesh
+
+
+def _typed_on(aval: Any, mesh: Mesh) -> bool:
+  """Whether ``aval``'s type carries ``mesh`` (JAX's sharding-in-types rules give most results
+  the context mesh; a few, such as sort's, give none)."""
+  sharding = getattr(aval, "sharding", None)
+  return sharding is not None and sharding.mesh == mesh.abstract_mesh
 
 
 def _trimmed(spec: P) -> P:

@@ -379,22 +379,15 @@ def reduce_precision_population_count_and_diff():
 
 @case
 def quantile_and_percentile_of_a_sharded_dim():
-  """out_specs as jax.jit returns them (open, spmd's outputs keep the relocated form the sorts
-  ran in: Known gaps)."""
   check_jit(lambda x: (jnp.quantile(x, 0.25, axis=0), jnp.percentile(x, 90.0, axis=1)), (X,),
             P("a", "b"), "a2b4", (P("b"), P("a")))
+  check_jit(lambda x: (jnp.quantile(x, 0.25, axis=0), jnp.percentile(x, 90.0, axis=1)), (X,),
+            P("a", "b"), "a2b4")
 
 
+@case
 def open_output_of_a_scan_along_a_sharded_dim():
   check_jit(lambda x: jnp.cumsum(x, axis=0), (X,), P("a", "b"), "a2b4")
-
-
-CASES.append(pytest.param(
-    open_output_of_a_scan_along_a_sharded_dim, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="propagation gives a cumulative op (sort, fft) along a sharded dim the form its "
-               "axes were moved to (P(None, ('b', 'a'))) and an open output keeps it, where "
-               "jax.jit's XLA moves them back to the operand's sharding (P('a', 'b'))")))
 
 
 # --- pjit's calling conventions ----------------------------------------------------------------

@@ -542,10 +542,6 @@ def results_of_an_uneven_input_read_as_jax_tests_do():
 
 
 XFAIL: dict[Callable, str] = {
-    argmax_over_a_sharded_dim_open_output: (
-        "an open output of argmax along a sharded dim comes back with that dim's axes moved to "
-        "the kept dim, P(('a','b')), where jax.jit returns P('a') (docs/ARCHITECTURE.md, Known "
-        "gaps)"),
     constraint_on_another_mesh_shape_of_the_same_devices: (
         "a with_sharding_constraint's NamedSharding is read by its spec alone: one on another "
         "mesh of the same devices, (4, 2) 'u','v' in a (2, 4) 'a','b' partition, names axes the "

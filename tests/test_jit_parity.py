@@ -641,3 +641,31 @@ def test_dtypes_through_sums_maxes_dots_and_casts(mesh):
   assert out["int16"][-1].dtype == jnp.int32 and out["bfloat16"][3].dtype == jnp.bfloat16
   specs = {name: (P("data", "model"), P("model", None)) for name in args}
   assert_partitioned_matches(fn, (args,), (specs,), mesh, like_jit=True)
+
+
+ALONG_A_DIM: dict[str, Callable] = {
+    "argmax": lambda x: jnp.argmax(x, axis=0),
+    "argmin": lambda x: jnp.argmin(x, axis=1),
+    "prod": lambda x: jnp.prod(x, axis=0),
+    "variadic_reduce": lambda x: jax.lax.reduce(
+        (x, x * 2), (0.0, 1.0), lambda a, b: (a[0] + b[0], a[1] * b[1]), (1,)),
+    "sort": lambda x: jnp.sort(x, axis=0),
+    "argsort": lambda x: jnp.argsort(x, axis=1),
+    "top_k": lambda x: jax.lax.top_k(x, 3),
+    "cumsum": lambda x: jnp.cumsum(x, axis=0),
+    "cummax": lambda x: jax.lax.cummax(x, axis=1, reverse=True),
+    "cumlogsumexp": lambda x: jax.lax.cumlogsumexp(x, axis=0),
+    "fft": lambda x: jnp.fft.fft(x, axis=1).real,
+}
+
+
+@pytest.mark.parametrize("op", list(ALONG_A_DIM))
+def test_ops_along_a_sharded_dim_return_jax_jits_shardings(op):
+  """A sort, scan, FFT, top_k or arg/variadic reduction along a sharded dim whose result is an
+  open output comes back as from jax.jit (Shardy's propagation: a sorted, scanned or transformed
+  dim keeps its axes, a reduced one loses them), although the op may run with those axes moved
+  to another dim, and spelled as jax.jit spells it (a sort's result type has no mesh, so its
+  spec is trimmed even under set_mesh)."""
+  x = randn(8, 16)
+  for spec in (P("a", None), P("a", "b"), P(None, "a"), P(("a", "b"), None)):
+    check_jit(ALONG_A_DIM[op], (x,), spec, "a2b4")

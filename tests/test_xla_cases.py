@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import assert_partitioned_matches as check
-from helpers import Cases, get_mesh, indices, ints, no_more_than_xla, randn, xla_bytes
+from helpers import Cases, check_jit, get_mesh, indices, ints, no_more_than_xla, randn, xla_bytes
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 # XLA's weight-gradient form f01b_i01o->01bf: lhs (C, H, W, N), rhs (I, H, W, O), out (H, W, N, C)
@@ -716,10 +716,12 @@ def argmax_one_row_per_shard():  # argmax where each shard holds one element of 
 
 @case
 def argmax_moved_to_free_dimension():  # TiledToTiledTupleReduce, the reduced dim's axis moved
-  # x moves to dim 1 by an all-to-all (64 B) and each device takes the argmax of its columns;
-  # XLA gathers each shard's (value, index) (512 B)
-  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  # asked for P('x'), x moves to dim 1 by an all-to-all (64 B) and each device takes the argmax
+  # of its columns; XLA gathers each shard's (value, index) (512 B). Left open, the result is
+  # jax.jit's P() (Shardy's: the reduced dim's axes leave it)
+  plan = check(lambda x: jnp.argmax(x, axis=0), (randn(16, 8),), P("x"), "x8", out_specs=P("x"))
   assert plan.total_bytes == 64
+  check_jit(lambda x: jnp.argmax(x, axis=0), (randn(16, 8),), P("x"), "x8")
   no_more_than_xla(lambda x: argmax_reduce(x, 1), (randn(16, 8),), P(None, "x"), "x8")
 
 
@@ -728,7 +730,8 @@ def reduce_prod_and_xor_sharded():  # TiledToTiledReduce with multiply / xor com
   # XLA all-reduces a product (f32[16,8] P('x') along dim 0: 32 B), which no JAX collective
   # does: x moves to dim 1 by an all-to-all (64 B; gathering dim 0 moved 512 B), or each
   # shard's products are all-gathered and multiplied (f32[61]: 32 B, was 256 B)
-  assert check(lambda x: jnp.prod(x, axis=0), (randn(16, 8),), P("x"), "x8").total_bytes == 64
+  assert check(lambda x: jnp.prod(x, axis=0), (randn(16, 8),), P("x"), "x8",
+               out_specs=P("x")).total_bytes == 64
   assert check(lambda x: jnp.prod(x), (1 + 0.01 * randn(61),), P("x"), "x8").total_bytes == 32
   check(lambda x: jnp.prod(x, axis=(0, 1)), (ints(4, 8, high=2),), P("a", "b"), "a2b4")
   xor = lambda x: lax.reduce_xor_p.bind(x, axes=(0,))  # noqa: E731
@@ -839,10 +842,14 @@ def partition_sort_in_top_k():  # PartitionSortInTopK (top-k along the sharded d
 
 @case
 def sort_along_partitioned_dimension():  # SortShardedOnSortDim (moved to a free dim)
-  # b moves to dim 0 by an all-to-all (64 B) and the result keeps that form; gathering dim 1
-  # moved 256 B, and XLA moves it back after sorting (128 B)
-  plan = check(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
+  # b moves to dim 0 by an all-to-all (64 B) and the result, asked for in that form, keeps it;
+  # gathering dim 1 moved 256 B. Left open, the result is jax.jit's P('a', 'b'), moved back
+  # after sorting as XLA does (128 B)
+  plan = check(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4",
+               out_specs=P(("a", "b")))
   assert plan.total_bytes == 64
+  assert check_jit(lambda x: jnp.sort(x, axis=1), (randn(16, 8),), P("a", "b"),
+                   "a2b4").total_bytes == 128
 
 
 @case
@@ -880,9 +887,14 @@ def top_k_along_partitioned_dimension():  # PartitionSortInTopK on a 1-D mesh, b
 
 @case
 def cumulative_along_partitioned_dimension():  # cumsum/cumprod/cummax (XLA: gathered scans)
-  # the axis moves to the other dim by an all-to-all (64 B); XLA gathers the dim (512 B)
-  plan = check(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8")
+  # asked for P(None, 'x'), the axis moves to the other dim by an all-to-all (64 B); XLA gathers
+  # the dim (512 B). Left open, the result is jax.jit's P('x'): the axis moves there and back
+  # (128 B)
+  plan = check(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"), "x8",
+               out_specs=P(None, "x"))
   assert plan.total_bytes == 64
+  assert check_jit(lambda x: jnp.cumsum(x, axis=0), (randn(16, 8),), P("x"),
+                   "x8").total_bytes == 128
   no_more_than_xla(lambda x: jnp.cumprod(x, axis=1), (randn(16, 8),), P("a", "b"), "a2b4")
   no_more_than_xla(lambda x: lax.cummax(x, axis=1, reverse=True), (ints(4, 16),), P(None, "x"),
                    "x4")

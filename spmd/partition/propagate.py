@@ -324,7 +324,8 @@ class _Engine:
              ) -> dict[int, tuple[Axes, _Candidate]]:
     chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
-      if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
+      if rule.kinds[f] is FactorKind.PERMUTATION or (
+          rule.kinds[f] is FactorKind.NEED_REPLICATION and f not in rule.kept):
         continue
       ranked = sorted((x for x in cands if x.axes), key=_Candidate.priority)
       if not ranked:
@@ -362,30 +363,7 @@ class _Engine:
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
-    if rule.relocatable:
-      self._relocate(rule, candidates, merged, used)
     return merged
-
-  def _relocate(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
-                merged: dict[int, tuple[Axes, _Candidate]], used: set[str]) -> None:
-    """The axes of a factor the op needs whole (or combines itself) go to the first pass factor
-    they split evenly (the op's result takes the form XLA's partitioner sorts in: the axes moved
-    by an all-to-all)."""
-    for f, cands in candidates.items():
-      best = min((x for x in cands if x.axes), key=_Candidate.priority, default=None)
-      if not rule.whole_or_combined(f) or best is None:
-        continue
-      kept = f in merged  # a reduction combined by the op: its axes leave it
-      moved = merged[f][0] if kept else prefix_without(best.axes, used)
-      for g, kind in enumerate(rule.kinds):
-        have, source = merged.get(g, ((), best))
-        if moved and kind is FactorKind.PASS and rule.sizes[g] % math.prod(
-            self.mesh[a] for a in have + moved) == 0:
-          merged[g] = (have + moved, source)
-          if kept:
-            merged[f] = ((), merged[f][1])
-          used.update(moved)
-          break
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
