@@ -338,9 +338,10 @@ class TakeSubBlocks(ReshardStep):
 def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                 mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` as one ``TakeSubBlocks`` (after an all-reduce of partial sums ``dst``
-  does not keep) where that applies: some dim sharded before, each new block inside one old block of every changing dim (evenly split);
-  else None. Not among ``plan_reshard``'s options: it skips the forms a gather passes through,
-  which a value's other readers may reuse, so the schedule takes it only for a sole reader."""
+  does not keep) where that applies: some dim sharded before, and each new block inside one old
+  block of every changing dim (evenly split); else None. Not among ``plan_reshard``'s options: it
+  skips the forms a gather passes through, which a value's other readers may reuse, so the
+  schedule takes it only for a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
   changed = [d for d, (h, w) in enumerate(zip(summed.dims, dst.dims)) if h != w]
   if (summed.partial or dst.partial or not any(summed.dims[d] for d in changed)
