@@ -264,7 +264,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (tuple(LINALG), PrimitiveInfo(linalg.batched(linalg.matrix))),
       (("lu_pivots_to_permutation", "tridiagonal_solve"),
        PrimitiveInfo(linalg.batched(linalg.vector))),
-      (("fft",), PrimitiveInfo(linalg.fft)),
+      (("fft",), PrimitiveInfo(linalg.batched(linalg.fft_axes))),
       # control flow and calls
       *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
       *(((name,), PrimitiveInfo(inline=call_body(param))) for name, param in INLINED_CALLS.items()),

@@ -324,8 +324,7 @@ class _Engine:
              ) -> dict[int, tuple[Axes, _Candidate]]:
     chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
-      if rule.kinds[f] is FactorKind.PERMUTATION or (
-          rule.kinds[f] is FactorKind.NEED_REPLICATION and f not in rule.kept):
+      if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
         continue
       ranked = sorted((x for x in cands if x.axes), key=_Candidate.priority)
       if not ranked:
@@ -363,7 +362,29 @@ class _Engine:
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
+    if rule.relocatable:
+      self._relocate(rule, candidates, merged, used)
     return merged
+
+  def _relocate(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
+                merged: dict[int, tuple[Axes, _Candidate]], used: set[str]) -> None:
+    """The axes of a factor the op needs whole go to the first pass factor they split evenly
+    (a sort's result takes the form XLA's partitioner sorts in: the axes moved by an
+    all-to-all). A reduction the op combines itself (argmax, prod, a variadic reduce, a scan's
+    totals) moves nothing here: its result takes Shardy's sharding, as jax.jit's, and only its
+    execution may move the axes (and the result back)."""
+    for f, cands in candidates.items():
+      best = min((x for x in cands if x.axes), key=_Candidate.priority, default=None)
+      if rule.kinds[f] is not FactorKind.NEED_REPLICATION or best is None:
+        continue
+      moved = prefix_without(best.axes, used)
+      for g, kind in enumerate(rule.kinds):
+        have, source = merged.get(g, ((), best))
+        if moved and kind is FactorKind.PASS and rule.sizes[g] % math.prod(
+            self.mesh[a] for a in have + moved) == 0:
+          merged[g] = (have + moved, source)
+          used.update(moved)
+          break
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],

@@ -39,12 +39,9 @@ class OpShardingRule:
   gathers: tuple[Any, ...] = ()
   # The axes of a factor the op needs whole (or combines itself) may move to a pass factor instead
   # (an all-to-all before the op), as XLA sorts along a sharded dim; every tensor holding such a
-  # factor holds every pass factor. Only the op's execution moves them: propagation gives its
-  # results the shardings Shardy's does (jax.jit's outputs), which the result is resharded to.
+  # factor holds every pass factor. Propagation gives a sort's or top_k's result that form; a
+  # reduction's (argmax, prod, a scan's) result takes Shardy's sharding, as jax.jit's outputs.
   relocatable: bool = False
-  # NEED_REPLICATION factors whose sharding propagates between operands and results all the same,
-  # as Shardy's propagation carries a sorted or transformed dim's (the op reads it whole).
-  kept: frozenset[int] = frozenset()
 
   @property
   def num_factors(self) -> int:
@@ -108,11 +105,10 @@ class RuleBuilder:
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
             combiner: str = "sum", gathers: tuple[Any, ...] = (),
-            relocatable: bool = False, kept: Sequence[int | None] = ()) -> OpShardingRule:
+            relocatable: bool = False) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
-                          windows=tuple(self.windows), gathers=gathers, relocatable=relocatable,
-                          kept=frozenset(f for f in kept if f is not None))
+                          windows=tuple(self.windows), gathers=gathers, relocatable=relocatable)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

@@ -1,13 +1,12 @@
 """Batched matrix and FFT ops (cholesky, qr, svd, eigh, triangular_solve, lu, fft, ...): the
 leading batch dims pass through every operand and result; the trailing core dims (the matrices,
-the transformed axes) are whole on each device. A transformed axis whose length the FFT keeps is
-laid out in the result as in the operand (as jax.jit's propagation carries it)."""
+the transformed axes) are whole on each device."""
 from __future__ import annotations
 
 from typing import Callable
 
 from spmd.partition.ir import Op, Value
-from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
+from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 
 def batched(core_rank: Callable[[Op], int]) -> Callable[[Op], OpShardingRule]:
@@ -38,11 +37,5 @@ def vector(op: Op) -> int:
   return 1
 
 
-def fft(op: Op) -> OpShardingRule:
-  x, out = op.inputs[0].aval.shape, op.outputs[0].shape
-  core = len(op.params["fft_lengths"])
-  b = RuleBuilder()
-  batch = b.factors(x[:len(x) - core])
-  kept = [b.factor(n, FactorKind.NEED_REPLICATION) if n == m else None
-          for n, m in zip(x[len(x) - core:], out[len(out) - core:])]
-  return b.build([batch + kept], [batch + kept], kept=kept)
+def fft_axes(op: Op) -> int:
+  return len(op.params["fft_lengths"])

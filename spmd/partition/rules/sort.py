@@ -1,7 +1,6 @@
 """sort, top_k and approx_top_k: the sorted dim must be whole on each device; other dims pass
 through, and may take the sorted dim's mesh axes (an all-to-all, as XLA's partitioner moves
-them). A sort's result is laid out as its operand along the sorted dim too (kept: as jax.jit's);
-top_k's k dim is its own."""
+them)."""
 from __future__ import annotations
 
 from spmd.partition.ir import Op
@@ -13,8 +12,7 @@ def sort(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = [b.factor(n, FactorKind.NEED_REPLICATION if d == op.params["dimension"] else
                    FactorKind.PASS) for d, n in enumerate(shape)]
-  return b.build([dims] * len(op.inputs), [dims] * len(op.outputs), relocatable=True,
-                 kept=[dims[op.params["dimension"]]])
+  return b.build([dims] * len(op.inputs), [dims] * len(op.outputs), relocatable=True)
 
 
 def top_k(op: Op) -> OpShardingRule:
