@@ -165,8 +165,13 @@ class _Scheduler:
 
   # --- forms ------------------------------------------------------------------------------------
 
-  def _best(self, v: Value, dst: TensorSharding) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
+  def _best(self, v: Value, dst: TensorSharding, sole_reader: bool = False
+            ) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
+    """The form of ``v`` cheapest to reshard to ``dst`` from, and the steps; for ``v``'s sole
+    reader, ``TakeSubBlocks`` reshards from each form too (``_sub_blocks``)."""
     options = [(s, self.executions.reshard(v, s, dst)) for s in self.forms[v]]
+    if sole_reader:
+      options += self._sub_blocks(v, dst)
     return min(options, key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
 
   def price(self, v: Value, dst: TensorSharding) -> int:
@@ -220,10 +225,7 @@ class _Scheduler:
       return
     depth = self.scopes.get(self.aliases.get(v, v), 0)
     hoisted = depth < len(self.enclosing)
-    src, steps = self._best(v, dst)
-    if not hoisted and self._sole_reader(v, reader):
-      src, steps = min([(src, steps)] + self._sub_blocks(v, dst),
-                       key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
+    src, steps = self._best(v, dst, not hoisted and self._sole_reader(v, reader))
     (self.enclosing[depth] if hoisted else out).append(
         Transfer(v, src, dst, steps, slot, reader if hoisted else None))
     for form in [s.after for s in steps] + [dst]:  # forms passed through on the way count too
