@@ -25,7 +25,7 @@ from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.annotation import restate_spec_error
 from spmd.partition.ir import build_program, names_mesh_axes
-from spmd.partition.jax_compat import lowering_platform, under_jit
+from spmd.partition.jax_compat import context_mesh, lowering_platform, under_jit
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.manual import restate_unbound_axis
@@ -37,7 +37,7 @@ from spmd.plan import Plan
 BACKENDS = ("spmd", "xla")
 
 
-def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
+def partition(fun: Callable | None = None, *, mesh: Mesh | None = None, in_specs: Any = None,
               out_specs: Any = None, rules: Sequence[tuple[str, Any]] | None = None,
               static_argnums: int | Sequence[int] = (),
               donate_argnums: int | Sequence[int] = (), backend: str = "spmd",
@@ -51,6 +51,10 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   leaves. An open argument committed to ``mesh`` keeps its sharding, as under ``jax.jit``; one
   boxed by flax (``nn.Partitioned``, ``nn.LogicallyPartitioned``) takes its box's names. Works as
   a decorator (``@partition(mesh=...)``) or a call (``partition(f, mesh=...)``).
+
+  ``mesh=None``: each call takes the mesh of the ``jax.set_mesh`` context it is made in, as
+  ``jax.jit`` does, else the one mesh of the ``NamedSharding`` leaves of ``in_specs`` /
+  ``out_specs``; a call with neither is a TypeError.
 
   ``rules``: flax-style ``logical_axis_rules``, ``(logical_name, mesh_axes)`` pairs. A spec entry
   that is not a mesh axis is a logical name, resolved through them (in in_specs, out_specs, box
@@ -84,9 +88,14 @@ def partition(fun: Callable | None = None, *, mesh: Mesh, in_specs: Any = None,
   donate_nums, donate_names = _argnums(fun, donate_argnames, "donate_argnames")
   static = _ints(static_argnums, "static_argnums") + static_nums
   donated = _ints(donate_argnums, "donate_argnums") + donate_nums
-  return Partitioned(fun, mesh, in_specs, out_specs, tuple(dict.fromkeys(static)),
-                     tuple(dict.fromkeys(donated)), backend, rules, auto, memory_limit,
-                     static_names, donate_names)
+  on_mesh = functools.partial(Partitioned, fun, in_specs=in_specs, out_specs=out_specs,
+                              static_argnums=tuple(dict.fromkeys(static)),
+                              donate_argnums=tuple(dict.fromkeys(donated)), backend=backend,
+                              rules=rules, auto=auto, memory_limit=memory_limit,
+                              static_kwnames=static_names, donate_kwnames=donate_names)
+  if mesh is None:
+    return ContextMeshPartitioned(fun, on_mesh, _specs_mesh(in_specs, out_specs))
+  return on_mesh(mesh)
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,40 @@ def _collector_paused() -> Iterator[None]:
   finally:
     if enabled:
       gc.enable()
+
+
+class ContextMeshPartitioned:
+  """``partition`` without ``mesh=``: partitioned over the mesh each call finds (the
+  ``jax.set_mesh`` context's, else the specs' ``NamedSharding`` mesh), one ``Partitioned`` per
+  mesh."""
+
+  def __init__(self, fun: Callable, on_mesh: Callable[[Mesh], Partitioned],
+               specs_mesh: Mesh | None):
+    self._on_mesh, self._specs_mesh = on_mesh, specs_mesh
+    self._per_mesh: dict[Mesh, Partitioned] = {}
+    functools.update_wrapper(self, fun)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    return self.partitioned()(*args, **kwargs)
+
+  def plan(self, *args: Any, **kwargs: Any) -> Plan:
+    """The plan over the mesh a call made here would use (see ``Partitioned.plan``)."""
+    return self.partitioned().plan(*args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """The program lowered over the mesh a call made here would use (``Partitioned.lower``)."""
+    return self.partitioned().lower(*args, **kwargs)
+
+  def partitioned(self) -> Partitioned:
+    """The function partitioned over the mesh found here."""
+    context = context_mesh()
+    mesh = self._specs_mesh if context.empty else context
+    if mesh is None:
+      raise TypeError("spmd.partition: no mesh: pass mesh=, call inside jax.set_mesh(mesh), or "
+                      "give in_specs / out_specs as NamedShardings")
+    if mesh not in self._per_mesh:
+      self._per_mesh[mesh] = self._on_mesh(mesh)
+    return self._per_mesh[mesh]
 
 
 class Partitioned:
@@ -781,6 +824,16 @@ class Partitioned:
         out.extend(range(start, start + count))
       start += count
     return tuple(out)
+
+
+def _specs_mesh(in_specs: Any, out_specs: Any) -> Mesh | None:
+  """The one mesh of the ``NamedSharding`` leaves of the specs; None without any."""
+  leaves = jax.tree.leaves((in_specs, out_specs), is_leaf=lambda x: isinstance(x, NamedSharding))
+  meshes = list(dict.fromkeys(x.mesh for x in leaves if isinstance(x, NamedSharding)))
+  if len(meshes) > 1:
+    raise ValueError(f"spmd.partition: the specs' NamedShardings name {len(meshes)} meshes; "
+                     f"pass mesh= or give shardings on one mesh")
+  return meshes[0] if meshes else None
 
 
 def _broadcast_prefix(prefix: Any, tree: Any, what: str, of: str) -> list[P | NamedSharding | None]:

@@ -310,6 +310,48 @@ def test_mesh_and_backend_are_checked():
     spmd.partition(f, mesh=spmd.make_mesh({"data": 2}), backend="magic")
 
 
+def test_without_mesh_each_call_takes_the_set_mesh_context(mesh):
+  """As jax.jit under jax.set_mesh: no mesh= is needed, and a call under another mesh
+  partitions over that one (its plan names it)."""
+  specs = (P("data", None), P(None, "model"))
+  g = spmd.partition(f, in_specs=specs)
+  with jax.set_mesh(mesh):
+    got = g(X, W)
+    assert got.sharding.mesh == mesh
+    assert "data=2, model=4" in str(g.plan(X, W))
+  np.testing.assert_allclose(got, f(X, W), rtol=1e-5, atol=1e-5)
+  other = spmd.make_mesh({"data": 4, "model": 2})
+  with jax.set_mesh(other):
+    got = g(X, W)
+    assert got.sharding.mesh == other and "data=4, model=2" in str(g.plan(X, W))
+  np.testing.assert_allclose(got, f(X, W), rtol=1e-5, atol=1e-5)
+  assert g.__name__ == "f"
+
+
+def test_without_mesh_under_jit_and_grad_in_an_explicit_context(explicit_mesh):
+  g = spmd.partition(lambda x, w: jnp.sin(x @ w).sum(), in_specs=(P("data", None), None))
+  with jax.set_mesh(explicit_mesh):
+    got = jax.jit(jax.grad(g, argnums=(0, 1)))(X, W)
+    want = jax.jit(jax.grad(lambda x, w: jnp.sin(x @ w).sum(), argnums=(0, 1)))(X, W)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_without_mesh_the_named_shardings_give_it(mesh):
+  decorated = spmd.partition(in_specs=(NamedSharding(mesh, P("data", None)), None))(f)
+  got = decorated(X, W)
+  assert got.sharding.mesh == mesh
+  np.testing.assert_allclose(got, f(X, W), rtol=1e-5, atol=1e-5)
+
+
+def test_without_mesh_and_outside_a_context_is_a_clear_error(mesh):
+  with pytest.raises(TypeError, match="no mesh: pass mesh=, call inside jax.set_mesh"):
+    spmd.partition(f, in_specs=(P("data", None), None))(X, W)
+  two = (NamedSharding(mesh, P("data")), NamedSharding(spmd.make_mesh({"data": 8}), P("data")))
+  with pytest.raises(ValueError, match="name 2 meshes"):
+    spmd.partition(f, in_specs=two)
+
+
 def test_uneven_boundary_is_a_clear_error_for_the_xla_backend(mesh):
   g = spmd.partition(lambda x: x * 2, mesh=mesh, in_specs=P("model"), backend="xla")
   with pytest.raises(ValueError, match="dim 0 of size 6 does not split evenly into 4 shards"):

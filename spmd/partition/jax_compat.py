@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax._src import core as src_core  # unsafe_am_i_under_a_jit, internal in 0.10 to 0.12
 from jax.extend import core as jcore
+from jax.sharding import Mesh
 
 # JAX's modules that define the primitives of the programs users write (lax and its control
 # flow, linear algebra and collectives, random numbers, differentiation, calls).
@@ -100,6 +101,13 @@ def weakly_typed(x: Any) -> Any:
 def set_cpu_device_count(count: int) -> None:
   """Simulates ``count`` CPU devices; must run before JAX starts its CPU backend."""
   jax.config.update("jax_num_cpu_devices", count)
+
+
+def context_mesh() -> Mesh:
+  """The concrete mesh of the ``jax.set_mesh`` context (empty outside one), under ``jax.jit``
+  too, where ``jax.sharding.get_mesh`` refuses to answer."""
+  from jax._src import mesh  # noqa: PLC0415 (get_concrete_mesh: internal in 0.10 to 0.12)
+  return mesh.get_concrete_mesh()
 
 
 def under_jit() -> bool:
