@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -203,6 +204,24 @@ def custom_vjp():
   def f(x): return x * 2
   f.defvjp(lambda x: (x * 2, x), lambda r, g: (g * r,))
   check(lambda x: jax.grad(lambda x: f(x).sum())(x), (randn(16, 4),), P("x"), "x8")
+
+
+@case
+def custom_partitioning_call():
+  """A jax.experimental.custom_partitioning function (written for XLA's partitioner: a Shardy
+  sharding rule and a partition callback) is partitioned by its body: a row softmax over a
+  batch split 8 ways moves nothing, as the callback would."""
+  @custom_partitioning
+  def softmax(x):
+    return jax.nn.softmax(x, axis=-1)
+
+  def partition(mesh, arg_shapes, result_shape):
+    rows = NamedSharding(mesh, P(arg_shapes[0].sharding.spec[0], None))
+    return mesh, lambda x: jax.nn.softmax(x, axis=-1), rows, (rows,)
+
+  softmax.def_partition(partition=partition, sharding_rule="i j -> i j")
+  plan = check(lambda x: softmax(x) * 2, (randn(16, 12),), P("x"), "x8")
+  assert not plan.collectives, plan.explain()
 
 
 @case

@@ -97,6 +97,9 @@ INLINED_CALLS = {
     "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr",
     "remat2": "jaxpr", "checkpoint": "jaxpr", "linear_call": "callee",
     "program_order": "call_jaxpr",  # jax.experimental.overlap (0.11+): a call under jit
+    # jax.experimental.custom_partitioning: its function's body, partitioned by spmd's rules
+    # (its partition callback lowers for XLA's partitioner, whose shardings it names)
+    "custom_partitioning": "call",
 }
 
 

@@ -27,7 +27,8 @@ PRIMITIVE_MODULES = ("jax._src.lax", "jax._src.prng", "jax._src.random", "jax._s
                      "jax._src.ad_checkpoint", "jax._src.custom_derivatives", "jax._src.pjit",
                      "jax._src.core", "jax._src.interpreters.ad", "jax._src.dispatch",
                      "jax._src.shard_map", "jax._src.callback", "jax._src.debugging",
-                     "jax._src.shard_alike", "jax._src.program_order")
+                     "jax._src.shard_alike", "jax._src.program_order",
+                     "jax._src.custom_partitioning")
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, list]:
