@@ -8,7 +8,10 @@ scan); an sst2-style classifier over ``nnx.RNN(nnx.SimpleCell, reverse=True)`` w
 returning the loss at ``schedule_free_eval_params``; linen's lifted ``nn.jit`` inside an
 ``nn.Sequential`` with ``nn.PReLU`` over an uneven batch; and an NNX VAE whose encoder is
 ``nnx.Conv`` with stride 2 and padding 'CIRCULAR' under ``nnx.GroupNorm`` and whose decoder is
-``nnx.ConvTranspose``, the image rows split over "model" and the noise drawn from a key argument.
+``nnx.ConvTranspose``, the image rows split over "model" and the noise drawn from a key argument;
+lm1b's temperature sampling in ``nnx.fori_loop`` over a KV cache whose length is split over
+"model"; and linen's fp8 training (``Fp8DirectDotGeneralOp`` as ``nn.Dense``'s dot_general, its
+scales and amax histories overwritten by their gradients).
 Each is checked against the jitted unpartitioned step, step by step where the state is fed back,
 then its plan against the compiled program (helpers.train_loop / nnx_steps / check_plan)."""
 import functools
@@ -20,6 +23,7 @@ import numpy as np
 import optax
 import optax.contrib
 from flax import nnx
+from flax.linen import fp8_ops
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
@@ -292,3 +296,42 @@ def test_lm1b_temperature_sampling_in_fori_loop_cache_length_over_model():
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, DECODE_VOCAB, (4, 1)), jnp.int32)
   no_more_than_xla(functools.partial(temperature_sample, graphdef), (state, prompt, jax.random.key(1)),
                    (cache_split(state, P("data", "model")), P("data"), P()), mesh_of("2x4"))
+
+
+# --- linen fp8 (the fp8 basics guide): Dense layers whose dot_general is Fp8DirectDotGeneralOp ---
+
+FP8 = functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=4)
+
+
+class Fp8Mlp(nn.Module):
+  """Two fp8 Dense layers, their kernels boxed column- and row-split over "model"."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    x = nn.gelu(nn.Dense(16, dot_general_cls=FP8,
+                         kernel_init=nn.with_partitioning(init, (None, "model")))(x))
+    return nn.Dense(4, dot_general_cls=FP8,
+                    kernel_init=nn.with_partitioning(init, ("model", None)))(x)
+
+
+def fp8_step(variables, x, y):
+  """SGD on the params; the scales and amax histories (the ``OVERWRITE_WITH_GRADIENT``
+  collection) replaced by their gradients, which carry their updated values."""
+  def loss_fn(v):
+    return jnp.mean((Fp8Mlp().apply(v, x) - y) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(variables)
+  params = jax.tree.map(lambda p, g: p - 0.1 * g, variables["params"], grads["params"])
+  return {"params": params, fp8_ops.OVERWRITE_WITH_GRADIENT: grads[
+      fp8_ops.OVERWRITE_WITH_GRADIENT]}, loss
+
+
+def test_linen_fp8_dense_overwrite_with_gradient_collection():
+  """3 steps on 2x4, the params' specs from their boxes; the amax histories roll each step."""
+  x = jnp.asarray(randn(8, 8))
+  variables = jax.jit(Fp8Mlp().init)(jax.random.key(0), x)
+  specs = nn.get_partition_spec(variables)
+  step = spmd.partition(fp8_step, mesh=mesh_of("2x4"), in_specs=(specs, P("data"), P("data")))
+  batches = [(x * (s + 1), jnp.asarray(randn(8, 4, seed=s))) for s in range(3)]
+  train_loop(jax.jit(fp8_step), step, (nn.unbox(variables),), batches, rtol=1e-4, atol=1e-5)
