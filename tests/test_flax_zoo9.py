@@ -41,13 +41,12 @@ def sharded(*names):
 # --- linen ConvLSTM (nn.ConvLSTMCell under nn.RNN): next-frame prediction, rows split ------------
 
 class NextFrame(nn.Module):
-  """A ConvLSTM over frames [B, T, H, W, C], a 3x3 convolution of each step's output back to C
-  channels: the prediction of the next frame."""
+  """A ConvLSTM over frames [B, T, H, W, C] whose hidden state, of C channels, is each step's
+  prediction of the next frame."""
 
   @nn.compact
   def __call__(self, frames):
-    hidden = nn.RNN(nn.ConvLSTMCell(4, kernel_size=(3, 3)))(frames)
-    return nn.Conv(frames.shape[-1], (3, 3))(hidden)
+    return nn.RNN(nn.ConvLSTMCell(frames.shape[-1], kernel_size=(3, 3)))(frames)
 
 
 def frame_step(state, frames):
@@ -60,8 +59,8 @@ def frame_step(state, frames):
 
 
 def test_linen_conv_lstm_next_frame_rows_split_over_model():
-  """2 steps on 2x4: 8 rows over "model" (2 a shard), both 3x3 convolutions of the cell and the
-  head exchanging one row with each neighbour at every time step."""
+  """2 steps on 2x4: 8 rows over "model" (2 a shard), the cell's 3x3 convolutions exchanging one
+  row with each neighbour at every time step."""
   frames = jnp.asarray(randn(4, 4, 8, 6, 2))
   model = NextFrame()
   params = jax.jit(model.init)(jax.random.key(0), frames[:, :-1])["params"]
@@ -205,20 +204,19 @@ def test_linen_lifted_jit_in_sequential_with_prelu_uneven_batch():
 class ConvVae(nnx.Module):
   """Encoder: a 3x3 convolution of stride 2 with circular padding, GroupNorm (2 groups), 1x1
   convolutions to the latent mean and log-variance; decoder: a transposed convolution of stride 2
-  back to the image's size, a circular 3x3 convolution to its channel."""
+  back to the image's size and channel."""
 
   def __init__(self, rngs: nnx.Rngs):
     self.down = nnx.Conv(1, 4, (3, 3), strides=2, padding="CIRCULAR", rngs=rngs)
     self.norm = nnx.GroupNorm(4, num_groups=2, rngs=rngs)
     self.mean, self.logvar = nnx.Conv(4, 2, (1, 1), rngs=rngs), nnx.Conv(4, 2, (1, 1), rngs=rngs)
-    self.up = nnx.ConvTranspose(2, 4, (3, 3), strides=(2, 2), rngs=rngs)
-    self.out = nnx.Conv(4, 1, (3, 3), padding="CIRCULAR", rngs=rngs)
+    self.up = nnx.ConvTranspose(2, 1, (3, 3), strides=(2, 2), rngs=rngs)
 
   def __call__(self, images, key):
     h = nnx.relu(self.norm(self.down(images)))
     mean, logvar = self.mean(h), self.logvar(h)
     z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(key, mean.shape)
-    return self.out(nnx.relu(self.up(z))), mean, logvar
+    return self.up(z), mean, logvar
 
 
 def vae_step(model, optimizer, images, key):
