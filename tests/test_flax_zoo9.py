@@ -30,13 +30,7 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from helpers import as_mesh, mesh_of, nnx_steps, no_more_than_xla, randn, train_loop
 from test_flax_zoo2 import sentiment_step  # cross-entropy of (tokens, lengths) -> logits
-
-MESH_4X2 = {"data": 4, "model": 2}
-
-
-def sharded(*names):
-  """lecun_normal, its dims named by mesh axes (the NNX sharding guide's kernel_init)."""
-  return nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+from test_flax_zoo7 import MESH_4X2
 
 
 # --- linen ConvLSTM (nn.ConvLSTMCell under nn.RNN): next-frame prediction, rows split ------------
