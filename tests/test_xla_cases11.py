@@ -217,6 +217,16 @@ def test_conv_backward_input_dilated_kernel():  # backward-input convolution, rh
                    (P(None, "a"), P()), A4B2, rtol=1e-4, atol=1e-4)
 
 
+def test_conv_backward_input_strided_two_spatial_dims_3d():  # backward input, lhs dilation 2
+  """The cotangent is base-dilated along H and W: its W halo is one column of the H-widened
+  block's 3 rows undilated, f32[1,3,1,2] 24 B, as XLA (was 48 B: 6 rows, exchanged after H's
+  dilation); 112 B in all, as XLA (was 136 B)."""
+  f = lambda x, k: jax.grad(lambda v: (conv(v, k, (2, 2)) ** 2).sum())(x)
+  plan = no_more_than_xla(f, (randn(2, 8, 8, 2), randn(3, 3, 2, 2, seed=1)),
+                          (P("c", "a", "b"), P()), "a2b2c2", rtol=1e-4, atol=1e-4)
+  assert plan.total_bytes == 112, plan.explain()
+
+
 def test_conv_backward_filter_spatial_sharded_4x2():  # backward-filter convolution, H on 'a'
   f = lambda x, k: jax.grad(lambda w: (conv(x, w) ** 2).sum())(k)
   no_more_than_xla(f, (randn(2, 8, 8, 2), randn(3, 3, 2, 2, seed=1)),
