@@ -1,18 +1,20 @@
 """XLA's SPMD partitioner cases, round 11 (openxla/xla ``xla/service/spmd/spmd_partitioner_test.cc``,
 ``xla/service/sharding_propagation_test.cc`` and shardy's propagation and explicit-reshard
 tests): families tests/test_xla_cases.py and test_xla_cases3.py to test_xla_cases10.py do not
-mirror: multi-operand sorts along an unsharded dim of 3-D tilings and sorts along a dim split
-over two axes of 4x2 meshes; top_k of uneven rows; pads with negative and interior padding
-together on sharded dims; strided slices with an offset start; reverses of uneven (padded)
-dims; transposes of 4-D tilings with two sharded dims; reshapes splitting a dim into an
-uneven tiling and merging dims with the minor one sharded; selects and clamps whose operands
-are sharded on other dims; conds whose branches move differently; bitcast-converts to a wider
-type over a sharded dim; dots with batch dims over other axes per operand, partial contracting
-over two axes, and batch with non-contracting on 4x2; the gradients of average pooling (a
-reduce window's) and of max pooling with SAME padding on both spatial dims; backward-filter
-and backward-input convolutions with dilated kernels; dynamic slices at a traced index into
-an uneven sharded dim; iotas along a sharded dim of 4x2; random bits drawn into 3-D tilings;
-scatters whose indices repeat along a sharded operand dim.
+mirror: multi-operand sorts along an unsharded dim of 3-D tilings and sorts along a dim split over
+two axes of 4x2 meshes; top_k of uneven rows; pads with negative and interior padding together on
+sharded dims; strided slices with an offset start; a concatenate of transposed tilings; reverses
+of uneven (padded) dims; transposes of 4-D tilings with two sharded dims; reshapes splitting a dim
+into an uneven tiling and merging dims with the minor one sharded; selects and clamps whose
+operands are sharded on other dims; conds whose branches move differently; bitcast-converts to a
+wider type over a sharded dim; dots with batch dims over other axes per operand, partial
+contracting over two axes, and batch with non-contracting on 4x2; the gradients of average pooling
+(a reduce window's) and of max pooling with SAME padding on both spatial dims; backward-filter and
+backward-input convolutions with dilated kernels; dynamic slices at a traced index into an uneven
+sharded dim; iotas along a sharded dim of 4x2; random bits drawn into 3-D tilings; scatters whose
+indices repeat along a sharded operand dim; and the gaps closed this round (a reshard to coarser
+blocks on other axes swapping a dim's major axis before gathering the minor ones; base-dilated
+dims exchanged undilated).
 Each test names the XLA test it mirrors (or the family it extends), checks values, plan ==
 compiled HLO and no replicated fallback (tests/helpers.py), and that spmd moves no more bytes
 per device than XLA's own partitioner with the same specs; strict xfails give both counts."""
