@@ -29,9 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import indices, ints, no_more_than_xla, randn
 from test_xla_cases8 import conv
-
-A2B2 = {"a": 2, "b": 2}  # the first 4 devices
-A4B2 = {"a": 4, "b": 2}
+from test_xla_cases10 import A2B2, A4B2
 
 
 # --- Sort and top_k ----------------------------------------------------------------------------
