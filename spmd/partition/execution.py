@@ -60,7 +60,8 @@ class Execution:
 
   def halo_exchanges(self, mesh: MeshShape, wire: Wire) -> list[tuple[Exchange, tuple, Hop, int]]:
     """Each ppermute of the halos, in order: (halo, what its buffer depends on, hop, per-device
-    bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones."""
+    bytes). A later halo dim is exchanged on the buffer already widened along the earlier ones
+    (a base-dilated one undilated: halo.py cuts it last)."""
     out = []
     widened: dict[int, tuple[list[int], tuple]] = {}
     for h in self.halos:
@@ -69,7 +70,7 @@ class Execution:
           h.operand, (list(self.needs[h.operand].local_shape(x.shape, mesh)), ()))
       row = math.prod(n for d, n in enumerate(shape) if d != h.dim) * wire(x.dtype)
       out.extend((h, chain, hop, hop.rows * row) for hop in hops(h))
-      shape[h.dim] = h.length
+      shape[h.dim] = h.buffer_rows if isinstance(h, Halo) and h.dilation > 1 else h.length
       widened[h.operand] = (shape, chain + (geometry(h),))
     return out
 
@@ -219,8 +220,8 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape,
 
 def _dilated_last(halos: tuple[Exchange, ...]) -> tuple[Exchange, ...]:
   """``halos`` with the base-dilated ones last: a later dim is exchanged on the buffer widened
-  along the earlier ones, which a dilated dim widens by its dilation (XLA exchanges on the
-  undilated rows)."""
+  along the earlier ones, which a dilated dim widens by its halo rows (undilated, as XLA
+  exchanges them: halo.py dilates and cuts it once every dim is exchanged)."""
   return tuple(sorted(halos, key=lambda h: isinstance(h, Halo) and h.dilation > 1))
 
 

@@ -53,7 +53,7 @@ def rotate(x: jax.Array, r: Rotation, shard: Any, mesh: MeshShape, received: dic
 def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshShape,
              received: dict, prefix: tuple) -> jax.Array:
   """This shard's rows with ``before`` rows before and ``after`` after, those outside the array
-  set to ``pad_value``, dilated by the base dilation: the buffer its span is sliced from."""
+  set to ``pad_value``: the buffer its span is cut from (``cut``)."""
   d = halo.dim
 
   pad = jnp.asarray(pad_value, x.dtype)
@@ -81,20 +81,26 @@ def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshSha
     config[d] = (halo.before - halo.left, halo.after - halo.right, 0)
     buf = lax.pad(buf, pad, config)
   rows = lax.broadcasted_iota(jnp.int32, buf.shape, d) + shard * halo.block - halo.before
-  buf = jnp.where((rows >= 0) & (rows < halo.size), buf, pad)
-  bd = halo.dilation
-  if bd > 1:
+  return jnp.where((rows >= 0) & (rows < halo.size), buf, pad)
+
+
+def cut(buf: jax.Array, halo: Halo, shard: Any, pad_value: Any) -> jax.Array:
+  """The padded-dilated positions this shard's output block reads, from its ``exchange``
+  buffer: dilated by the base dilation, then sliced."""
+  if halo.dilation > 1:
     config = [(0, 0, 0)] * buf.ndim
-    config[d] = (bd - 1, bd - 1, bd - 1)
-    buf = lax.pad(buf, pad, config)
-  return buf
+    config[halo.dim] = (halo.dilation - 1,) * 3
+    buf = lax.pad(buf, jnp.asarray(pad_value, buf.dtype), config)
+  return lax.dynamic_slice_in_dim(buf, halo.start(shard), halo.length, halo.dim)
 
 
 def span(x: jax.Array, halo: Halo | Rotation, shard: Any, pad_value: Any, mesh: MeshShape,
          received: dict, prefix: tuple) -> jax.Array:
   """The padded-dilated positions this shard's output block reads along the halo dim (a
-  Rotation: cut from the blocks they lie in, all inside the array)."""
+  Rotation: cut from the blocks they lie in, all inside the array); a base-dilated dim's
+  undilated buffer (its ``exchange``), which the caller ``cut``s once the other dims are
+  exchanged, so that they send its rows undilated, as XLA does."""
   if isinstance(halo, Rotation):
     return rotate(x, halo, shard, mesh, received, prefix)
   buf = exchange(x, halo, shard, pad_value, mesh, received, prefix)
-  return lax.dynamic_slice_in_dim(buf, halo.start(shard), halo.length, halo.dim)
+  return buf if halo.dilation > 1 else cut(buf, halo, shard, pad_value)

@@ -126,6 +126,11 @@ class Halo:
   def block(self) -> int:
     return -(-self.size // self.shards)
 
+  @property
+  def buffer_rows(self) -> int:
+    """The rows of a shard's undilated buffer (halo.py's ``exchange``)."""
+    return self.before + self.block + self.after
+
   def hop_rows(self, width: int, skip: int = 0) -> list[tuple[int, int, int]]:
     """(distance, rows, skip) of each hop carrying halo rows [skip, width), counted from the
     block's edge: hop k covers rows [(k-1)*block, k*block); a hop of skipped rows only is none."""

@@ -19,8 +19,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
-from spmd.partition.halo import mirror, rotate, span
-from spmd.partition.halo_geometry import Exchange, Mirror, Rotation, geometry
+from spmd.partition.halo import cut, mirror, rotate, span
+from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geometry
 from spmd.partition.ir import Op, Value
 from spmd.partition.jax_compat import gamma_one
 from spmd.partition.primitives import bind, describe, operands
@@ -51,6 +51,9 @@ class Local:
       args[h.operand] = span(args[h.operand], h, shard_index(h.axes), pad_values[h.operand],
                              self.mesh, self.received, self.prefix(h.operand, chain))
       chains[h.operand] = chain + (geometry(h),)
+    for h in self.halos:  # base-dilated dims, exchanged undilated
+      if isinstance(h, Halo) and h.dilation > 1:
+        args[h.operand] = cut(args[h.operand], h, shard_index(h.axes), pad_values[h.operand])
     return args, {h.dim for h in self.halos}
 
   def prefix(self, operand: int, chain: tuple) -> tuple:

@@ -337,20 +337,43 @@ class TakeSubBlocks(ReshardStep):
 
 def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                 mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` as one ``TakeSubBlocks`` (after an all-reduce of partial sums ``dst``
-  does not keep) where that applies: some dim sharded before, and each new block inside one old
-  block of every changing dim (evenly split); else None. Not among ``plan_reshard``'s options: it
-  skips the forms a gather passes through, which a value's other readers may reuse, so the
-  schedule takes it only for a sole reader."""
+  """``src`` -> ``dst`` (after an all-reduce of partial sums ``dst`` does not keep) as one
+  ``TakeSubBlocks`` where that applies: some dim sharded before, and each new block inside one
+  old block of every changing dim (evenly split); else, where it applies, as a swap of a dim's
+  major axis before gathers (``_swapped_then_gathered``); else None. Not among
+  ``plan_reshard``'s options: these skip the forms a gather passes through, which a value's
+  other readers may reuse, so the schedule takes them only for a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
   changed = [d for d, (h, w) in enumerate(zip(summed.dims, dst.dims)) if h != w]
-  if (summed.partial or dst.partial or not any(summed.dims[d] for d in changed)
-      or any(axes_size(dst.dims[d], mesh) % axes_size(summed.dims[d], mesh)
-             or shape[d] % axes_size(dst.dims[d], mesh) for d in changed)):
+  if summed.partial or dst.partial or not any(summed.dims[d] for d in changed):
     return None
+  if any(axes_size(dst.dims[d], mesh) % axes_size(summed.dims[d], mesh)
+         or shape[d] % axes_size(dst.dims[d], mesh) for d in changed):
+    swapped = _swapped_then_gathered(summed, dst, shape, itemsize, mesh)
+    return None if swapped is None else reduced + swapped
   axes = tuple(a for a in mesh if any(a in summed.dims[d] or a in dst.dims[d] for d in changed))
   return reduced + (TakeSubBlocks(axes=axes, before=summed, after=dst, shape=shape,
                                   itemsize=itemsize, mesh=mesh),)
+
+
+def _swapped_then_gathered(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
+                           itemsize: int, mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` where a dim's major axis becomes the one axis ``dst`` splits it by (of
+  its size, held by no dim before nor kept after) by one ``SwapAxes`` of the block, and its minor
+  axes are then gathered: each new block is several old ones on other devices (P(('b','c')) ->
+  P('a') on a 2x2x2 mesh: a collective-permute of the [2] block, then an all-gather over 'c', as
+  XLA permutes devices before it gathers; gathering 'b' and 'c' whole moves more); None where no
+  dim's does."""
+  for d, (have, want) in enumerate(zip(src.dims, dst.dims)):
+    if len(have) < 2 or len(want) != 1 or shape[d] % axes_size(have, mesh):
+      continue
+    dims = list(src.dims)
+    dims[d] = (want[0], *have[1:])
+    mid = TensorSharding(tuple(dims))
+    if _swapped(have, dims[d], src.dims, mid.dims, mesh) is not None:
+      return (_plan_reshard(src, mid, shape, itemsize, mesh, park=False)
+              + _plan_reshard(mid, dst, shape, itemsize, mesh, park=False))
+  return None
 
 
 def _reduced(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
