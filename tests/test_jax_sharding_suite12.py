@@ -1,23 +1,27 @@
-"""JAX's own tests, round 12 (themes of tests/lax_numpy_test.py's padding, construction and
-rounding functions, lax_numpy_indexing_test.py's strided and negative-step indexing,
+"""JAX's own tests, round 12 (themes of tests/lax_numpy_test.py's padding, construction, polynomial
+and rounding functions, lax_numpy_indexing_test.py's strided and negative-step indexing,
 lax_control_flow_test.py, nn_test.py, image_test.py, scipy_signal_test.py and pjit_test.py's
 argument forms, run with sharded inputs): pad modes 'minimum', 'median' and odd reflection along
-a sharded dim; repeat with ``total_repeat_length``, diag / tri / eye / identity, flipud / fliplr
-and rot90 by k = 2, 3, inner, block and r_ / c_ assembly, indices / mgrid / ogrid beside a
-sharded operand, put_along_axis and argpartition; nan_to_num, modf, trunc / rint /
-fix, signbit and floor division / remainder of negative integers; strided and reversed indexing
-(``x[..., ::-1]``, ``x.at[::2].set``, negative indices) and ``.at[]`` mul / min with duplicate
-indices; a three-branch switch on a reduced sharded value, fori_loop writing a sharded carry by
-dynamic_update_slice, a while loop whose predicate reads an integer sum of a sharded array and a
-reversed, unrolled scan; jax.nn's hard_tanh / mish / one_hot over a sharded axis, nearest and
-linear image resizing with a spatial dim sharded, scipy.signal.convolve2d; array_equal / allclose
-reduced to scalars; geomspace / logspace constructed in a sharded output; and pjit's argument
-forms (None leaves in pytree arguments, nested outputs with mixed out_specs,
-narrow dtypes out, one function called with two shardings). Even and uneven sizes; f32, bf16,
-int8, int32 and bool. Each is compared with ``jax.jit`` given the same shardings (values and
-output shardings) or, where a dim is uneven, with the unpartitioned function, and its plan with
-the compiled HLO (tests/helpers.py). Cases of the earlier suites, test_jax_cases.py,
-test_jit_parity.py, test_primitives.py and test_control_flow.py are not repeated."""
+a sharded dim; repeat with ``total_repeat_length``, tile and roll over two axes of an uneven
+operand, diag / tri / eye / identity, trace and diagonal with offsets over a sharded batch,
+flipud / fliplr and rot90 by k = 2, 3, inner, block and r_ / c_ assembly, indices / mgrid / ogrid
+beside a sharded operand, put_along_axis and argpartition; polymul / polyadd / polyder / polyint
+and convolve's full and valid modes of sharded coefficients; nan_to_num, modf, trunc / rint,
+signbit and floor division / remainder of negative integers; strided and reversed indexing
+(``x[..., ::-1]``, ``x.at[::2].set``, negative indices), ``.at[]`` mul / min with duplicate
+indices, take's wrap and ``.at[].get``'s promise_in_bounds modes, choose's wrap and clip modes,
+diag_indices_from / tril_indices_from; a three-branch switch on a reduced sharded value,
+fori_loop writing a sharded carry by dynamic_update_slice, a while loop whose predicate reads an
+integer sum of a sharded array, a reversed unrolled scan; jax.nn's hard_tanh / mish / one_hot
+and logsumexp with where= over a sharded axis, nearest and linear image resizing with a spatial
+dim sharded, scipy.signal.convolve2d; array_equal / allclose reduced to scalars; geomspace /
+logspace constructed in a sharded output; and pjit's argument forms (None leaves in pytree
+arguments, nested outputs with mixed out_specs and narrow dtypes, one function called with two
+shardings). Even and uneven sizes; f32, bf16, int8, int32 and bool. Each is compared with
+``jax.jit`` given the same shardings (values and output shardings) or, where a dim is uneven,
+with the unpartitioned function, and its plan with the compiled HLO (tests/helpers.py). Cases of
+the earlier suites, test_jax_cases.py, test_jit_parity.py, test_primitives.py and
+test_control_flow.py are not repeated."""
 from __future__ import annotations
 
 from typing import Callable
@@ -30,8 +34,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from helpers import (Cases, assert_partitioned_matches, check_jit, indices, ints, randn,
-                     xla_bytes)
+from helpers import Cases, assert_partitioned_matches, check_jit, indices, ints, randn, rng
 
 CASES = Cases()  # functions of no arguments
 MESH = "a2b4"
@@ -127,61 +130,12 @@ def put_along_axis_along_a_sharded_dim():
 
 @case
 def argpartition_along_a_sharded_dim():
-  x = rng_perm(8, 16)
+  x = rng(5).permutation(128).reshape(8, 16).astype(np.float32)  # no ties
 
   def f(x):
     part = jnp.argpartition(x, 4, axis=1)
     return jnp.take_along_axis(x, part[:, :4], 1), jnp.take_along_axis(x, part[:, 4:5], 1)
   check_jit(f, (x,), P("a", "b"), MESH)
-
-
-def rng_perm(rows: int, cols: int) -> np.ndarray:
-  """Distinct float32 values (no ties), so a partition's indices are unique."""
-  return (np.random.default_rng(5).permutation(rows * cols).reshape(rows, cols)
-          .astype(np.float32))
-
-
-@case
-def roll_over_two_axes_and_tile_of_an_uneven_operand():
-  def f(x):
-    return jnp.roll(x, (-2, 7), axis=(0, 1)), jnp.roll(x, 13), jnp.tile(x, (2, 3))
-  assert_partitioned_matches(f, (U,), P("a", "b"), MESH)
-
-
-@case
-def trace_and_diagonal_with_offsets_over_a_sharded_batch():
-  def f(x):
-    return (jnp.trace(x, offset=2, axis1=1, axis2=2), jnp.diagonal(x, -1, 1, 2),
-            jnp.trace(x, offset=-3, axis1=2, axis2=1))
-  check_jit(f, (randn(4, 8, 8, seed=3),), P("a", "b"), MESH)
-
-
-@case
-def polynomial_arithmetic_of_sharded_coefficients():
-  def f(p, q):
-    return jnp.polymul(p, q), jnp.polyder(p, 2), jnp.polyint(q, k=1.5), jnp.polyadd(p, p * 2)
-  check_jit(f, (randn(16, seed=1), randn(8, seed=2)), (P("b"), P("a")), MESH)
-
-
-@case
-def polyadd_of_a_shorter_polynomial_into_a_sharded_one():
-  check_jit(jnp.polyadd, (randn(16, seed=1), randn(8, seed=2)), (P("b"), P("a")), MESH)
-
-
-@case
-def convolve_full_and_valid_of_a_sharded_signal():
-  def f(x, k):
-    return jnp.convolve(x, k, mode="full"), jnp.convolve(x, k, mode="valid"), jnp.convolve(k, x)
-  check_jit(f, (randn(32, seed=1), randn(5, seed=2)), (P("b"), P()), MESH)
-
-
-@case
-def choose_with_wrap_and_clip_modes():
-  c = [randn(8, 16, seed=k) for k in range(3)]
-
-  def f(i, c0, c1, c2):
-    return jnp.choose(i, [c0, c1, c2], mode="wrap"), jnp.choose(i - 2, [c0, c1, c2], mode="clip")
-  check_jit(f, (ints(8, 16, high=5), *c), (P("a", "b"), P("a", "b"), P("b"), P()), MESH)
 
 
 # --- rounding, special values and integer division ----------------------------------------------
@@ -239,6 +193,27 @@ def at_mul_and_min_with_duplicate_and_negative_indices():
   def f(x, v):
     return x.at[:, i].multiply(v[:, :6]), x.at[i].min(v[:6]), x.at[i].max(v[2:8])
   check_jit(f, (X, randn(8, 16, seed=1)), (P("a", "b"), P(None, "b")), MESH)
+
+
+@case
+def take_with_wrap_and_promise_in_bounds_modes_along_a_sharded_dim():
+  i = np.array([[-1, 17, 3], [40, 0, -18]], np.int32)
+
+  def f(x, j):
+    return (jnp.take(x, i, axis=1, mode="wrap"), x.at[j].get(mode="promise_in_bounds"),
+            x.at[:, i[0]].get(mode="fill", fill_value=-2.0))
+  check_jit(f, (X, indices(8, 5, seed=2)), (P("a", "b"), P()), MESH)
+
+
+@case
+def diag_indices_and_tril_indices_from_index_a_sharded_matrix():
+  a = randn(16, 16, seed=4)
+
+  def f(a):
+    r, c = jnp.tril_indices_from(a, k=-2)
+    d = jnp.diag_indices_from(a)
+    return a[r, c], a.at[d].set(0.0), a.at[jnp.triu_indices_from(a, 5)].add(1.0)
+  check_jit(f, (a,), P("a", "b"), MESH)
 
 
 @case
