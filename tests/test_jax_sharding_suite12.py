@@ -1,27 +1,27 @@
 """JAX's own tests, round 12 (themes of tests/lax_numpy_test.py's padding, construction, polynomial
 and rounding functions, lax_numpy_indexing_test.py's strided and negative-step indexing,
 lax_control_flow_test.py, nn_test.py, image_test.py, scipy_signal_test.py and pjit_test.py's
-argument forms, run with sharded inputs): pad modes 'minimum', 'median' and odd reflection along
-a sharded dim; repeat with ``total_repeat_length``, tile and roll over two axes of an uneven
-operand, diag / tri / eye / identity, trace and diagonal with offsets over a sharded batch,
-flipud / fliplr and rot90 by k = 2, 3, inner, block and r_ / c_ assembly, indices / mgrid / ogrid
-beside a sharded operand, put_along_axis and argpartition; polymul / polyadd / polyder / polyint
-and convolve's full and valid modes of sharded coefficients; nan_to_num, modf, trunc / rint,
-signbit and floor division / remainder of negative integers; strided and reversed indexing
-(``x[..., ::-1]``, ``x.at[::2].set``, negative indices), ``.at[]`` mul / min with duplicate
-indices, take's wrap and ``.at[].get``'s promise_in_bounds modes, choose's wrap and clip modes,
-diag_indices_from / tril_indices_from; a three-branch switch on a reduced sharded value,
-fori_loop writing a sharded carry by dynamic_update_slice, a while loop whose predicate reads an
-integer sum of a sharded array, a reversed unrolled scan; jax.nn's hard_tanh / mish / one_hot
-and logsumexp with where= over a sharded axis, nearest and linear image resizing with a spatial
-dim sharded, scipy.signal.convolve2d; array_equal / allclose reduced to scalars; geomspace /
-logspace constructed in a sharded output; and pjit's argument forms (None leaves in pytree
-arguments, nested outputs with mixed out_specs and narrow dtypes, one function called with two
-shardings). Even and uneven sizes; f32, bf16, int8, int32 and bool. Each is compared with
-``jax.jit`` given the same shardings (values and output shardings) or, where a dim is uneven,
-with the unpartitioned function, and its plan with the compiled HLO (tests/helpers.py). Cases of
-the earlier suites, test_jax_cases.py, test_jit_parity.py, test_primitives.py and
-test_control_flow.py are not repeated."""
+argument forms, run with sharded inputs): pad modes 'minimum', 'median' and odd reflection along a
+sharded dim; repeat with ``total_repeat_length``, tile and roll over two axes of an uneven operand,
+diag / tri / eye / identity, trace and diagonal with offsets over a sharded batch, flipud / fliplr
+and rot90 by k = 2, 3, inner, block and r_ / c_ assembly, indices / mgrid / ogrid beside a sharded
+operand, put_along_axis and argpartition; polymul / polyadd / polyder / polyint and convolve's full
+and valid modes of sharded coefficients; nan_to_num, modf, trunc / rint, signbit and floor division
+/ remainder of negative integers; strided and reversed indexing (``x[..., ::-1]``,
+``x.at[::2].set``, negative indices), ``.at[]`` mul / min with duplicate indices, take's wrap and
+``.at[].get``'s promise_in_bounds modes, choose's wrap and clip modes, diag_indices_from /
+tril_indices_from; a three-branch switch on a reduced sharded value, fori_loop writing a sharded
+carry by dynamic_update_slice, a while loop whose predicate reads an integer sum of a sharded array,
+a reversed unrolled scan, associative_scan of maximum over an uneven dim; jax.nn's hard_tanh / mish
+/ one_hot and logsumexp with where= over a sharded axis, softmax with where= over an uneven one,
+nearest and linear image resizing with a spatial dim sharded, scipy.signal.convolve2d; array_equal /
+allclose reduced to scalars; geomspace / logspace constructed in a sharded output; and pjit's
+argument forms (None leaves in pytree arguments, nested outputs with mixed out_specs and narrow
+dtypes, one function called with two shardings). Even and uneven sizes; f32, bf16, int8, int32 and
+bool. Each is compared with ``jax.jit`` given the same shardings (values and output shardings) or,
+where a dim is uneven, with the unpartitioned function, and its plan with the compiled HLO
+(tests/helpers.py). Cases of the earlier suites, test_jax_cases.py, test_jit_parity.py,
+test_primitives.py and test_control_flow.py are not repeated."""
 from __future__ import annotations
 
 from typing import Callable
@@ -51,8 +51,7 @@ def pad_minimum_median_and_odd_reflect_along_a_sharded_dim():
   def f(x):
     return (jnp.pad(x, ((0, 0), (2, 3)), mode="minimum", stat_length=3),
             jnp.pad(x, ((1, 2), (0, 0)), mode="median"),
-            jnp.pad(x, ((0, 0), (3, 2)), mode="reflect", reflect_type="odd"),
-            jnp.pad(x, ((2, 1), (0, 0)), mode="symmetric", reflect_type="odd"))
+            jnp.pad(x, ((0, 0), (3, 2)), mode="reflect", reflect_type="odd"))
   check_jit(f, (X,), P("a", "b"), MESH)
 
 
@@ -104,7 +103,7 @@ def block_and_r_c_assembly_of_sharded_pieces():
 
   def f(x, y):
     return (jnp.block([[x, y], [y, x]]), jnp.r_[x, y.T.reshape(16, 4).T],
-            jnp.c_[x[:, 0], y[:, 1]], jnp.r_[x[0], 0.0, y[1]])
+            jnp.c_[x[:, 0], y[:, 1]])
   check_jit(f, (X, y), (P("a", "b"), P(None, "b")), MESH)
 
 
@@ -136,6 +135,49 @@ def argpartition_along_a_sharded_dim():
     part = jnp.argpartition(x, 4, axis=1)
     return jnp.take_along_axis(x, part[:, :4], 1), jnp.take_along_axis(x, part[:, 4:5], 1)
   check_jit(f, (x,), P("a", "b"), MESH)
+
+
+@case
+def roll_over_two_axes_and_tile_of_an_uneven_operand():
+  def f(x):
+    return jnp.roll(x, (-2, 7), axis=(0, 1)), jnp.roll(x, 13), jnp.tile(x, (2, 3))
+  assert_partitioned_matches(f, (U,), P("a", "b"), MESH)
+
+
+@case
+def trace_and_diagonal_with_offsets_over_a_sharded_batch():
+  def f(x):
+    return (jnp.trace(x, offset=2, axis1=1, axis2=2), jnp.diagonal(x, -1, 1, 2),
+            jnp.trace(x, offset=-3, axis1=2, axis2=1))
+  check_jit(f, (randn(4, 8, 8, seed=3),), P("a", "b"), MESH)
+
+
+@case
+def polynomial_arithmetic_of_sharded_coefficients():
+  def f(p, q):
+    return jnp.polymul(p, q), jnp.polyder(p, 2), jnp.polyint(q, k=1.5), jnp.polyadd(p, p * 2)
+  check_jit(f, (randn(16, seed=1), randn(8, seed=2)), (P("b"), P("a")), MESH)
+
+
+@case
+def polyadd_of_a_shorter_polynomial_into_a_sharded_one():
+  check_jit(jnp.polyadd, (randn(16, seed=1), randn(8, seed=2)), (P("b"), P("a")), MESH)
+
+
+@case
+def convolve_full_and_valid_of_a_sharded_signal():
+  def f(x, k):
+    return jnp.convolve(x, k, mode="full"), jnp.convolve(x, k, mode="valid"), jnp.convolve(k, x)
+  check_jit(f, (randn(32, seed=1), randn(5, seed=2)), (P("b"), P()), MESH)
+
+
+@case
+def choose_with_wrap_and_clip_modes():
+  c = [randn(8, 16, seed=k) for k in range(3)]
+
+  def f(i, c0, c1, c2):
+    return jnp.choose(i, [c0, c1, c2], mode="wrap"), jnp.choose(i - 2, [c0, c1, c2], mode="clip")
+  check_jit(f, (ints(8, 16, high=5), *c), (P("a", "b"), P("a", "b"), P("b"), P()), MESH)
 
 
 # --- rounding, special values and integer division ----------------------------------------------
@@ -266,6 +308,13 @@ def reversed_unrolled_scan_over_a_sharded_batch():
   check_jit(f, (X[0], randn(5, 16, seed=1)), (P("b"), P(None, "b")), MESH)
 
 
+@case
+def associative_scan_of_maximum_over_an_uneven_dim():
+  def f(x):
+    return lax.associative_scan(jnp.maximum, x, axis=1)
+  assert_partitioned_matches(f, (U,), P("a", "b"), MESH)
+
+
 # --- jax.nn, images and signals -------------------------------------------------------------------
 
 @case
@@ -291,6 +340,16 @@ def nearest_and_linear_resize_with_a_sharded_spatial_dim():
     return (jax.image.resize(x, (2, 8, 4, 3), "nearest"),
             jax.image.resize(x, (2, 16, 16, 3), "linear"))
   check_jit(f, (randn(2, 16, 8, 3),), P("a", "b"), MESH)
+
+
+@case
+def softmax_with_where_and_nearest_resize_over_uneven_dims():
+  def f(x, img):
+    m = x > -0.8
+    return (jax.nn.softmax(x, axis=1, where=m), jax.nn.log_softmax(x, axis=0, where=m),
+            jax.image.resize(img, (2, 5, 12, 3), "nearest"))
+  assert_partitioned_matches(f, (U, randn(2, 10, 6, 3, seed=2)), (P("a", "b"), P(None, "b")),
+                             MESH)
 
 
 @case
