@@ -299,7 +299,7 @@ class _Engine:
       first = next(j for j, p in enumerate(parts) if p[1] is v)
       dims[k] = dims[first]
     candidates: dict[int, list[_Candidate]] = {}
-    defer = rule.pass_through and not self.broadcasting
+    defer = (rule.pass_through or rule.broadcast) and not self.broadcasting
     deferred = False
     for part, (pos, v, tf, size) in enumerate(parts):
       if defer and size < largest:

@@ -28,6 +28,9 @@ class OpShardingRule:
   sizes: tuple[int, ...]
   kinds: tuple[FactorKind, ...]
   pass_through: bool = False  # propagated first (elementwise-like ops), as Shardy's op priority
+  # A broadcast_in_dim: its smaller operand donates to its result only at propagation's last
+  # level, as Shardy's op priority propagates a broadcast backward only until then.
+  broadcast: bool = False
   combiner: str = "sum"       # how partial results of sharded reduction factors combine
   linear_in: tuple[int, ...] = ()  # operands a pending partial sum may flow through (rules/linear)
   additive: bool = False      # True: all of linear_in jointly (add); False: any one (mul, dot)
@@ -105,10 +108,11 @@ class RuleBuilder:
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
             combiner: str = "sum", gathers: tuple[Any, ...] = (),
-            relocatable: bool = False) -> OpShardingRule:
+            relocatable: bool = False, broadcast: bool = False) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
-                          tuple(self.sizes), tuple(self.kinds), pass_through, combiner,
-                          windows=tuple(self.windows), gathers=gathers, relocatable=relocatable)
+                          tuple(self.sizes), tuple(self.kinds), pass_through, broadcast,
+                          combiner, windows=tuple(self.windows), gathers=gathers,
+                          relocatable=relocatable)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

@@ -11,7 +11,7 @@ def broadcast_in_dim(op: Op) -> OpShardingRule:
   factors = b.factors(out_shape)
   operand = [factors[d] if x.aval.shape[i] == out_shape[d] else None
              for i, d in enumerate(op.params["broadcast_dimensions"])]
-  return b.build([operand] + [None] * (len(op.inputs) - 1), [factors])
+  return b.build([operand] + [None] * (len(op.inputs) - 1), [factors], broadcast=True)
 
 
 def tile(op: Op) -> OpShardingRule:
