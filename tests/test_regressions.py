@@ -426,3 +426,18 @@ def test_reshards_of_two_reshapes_of_one_block_that_xla_merges():
 
   x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (4,), dtype=np.int32))
   assert_partitioned_matches(f, (x0,), (P(("a", "b")),), "a2b2c2")
+
+
+def test_a_sum_of_a_reshape_in_effect_is_the_sum_it_repeats():
+  """Found by the thorough profile (seed 22): ``einsum('ab,cd->cd', x[None], x[None])`` sums
+  ``x[None]`` over both dims, and ``x.sum(0)`` sums x: XLA's simplifier reduces x itself in
+  both and its CSE merges them, all-reducing once (4 B), where the plan all-reduced twice (8 B).
+  ir._dedupe now gives a reduction over every dim of a reshape in effect of x the key of that
+  reduction of x."""
+  def f(x0):
+    v2 = jnp.expand_dims(x0, 0)
+    return jnp.sum(x0, axis=0), jnp.argmax(x0, axis=0), jnp.einsum("ab,cd->cd", v2, v2)
+
+  x0 = jnp.asarray(np.random.default_rng(65535).integers(-3, 4, (2,), dtype=np.int32))
+  plan = assert_partitioned_matches(f, (x0,), (P("a"),), "a2b4", (None, P(), P(None, "a")))
+  assert sum(c.kind == "all-reduce" for c in plan.collectives) == 1, plan.explain()

@@ -334,7 +334,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
         alias[result] = source
         continue
       relaid[result] = source
-    key = cse_key(op)
+    key = _full_reduction_key(op, relaid) or cse_key(op)
     if key is not None and not op.regions and all(
         not isinstance(a, Value) or a in equal for a in op.inputs):
       first = seen.setdefault(cse_key(op, equal.__getitem__), op)
@@ -546,6 +546,26 @@ def _movable(op: Op, inside: set[Value]) -> bool:
 
 
 _SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
+
+
+FULL_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                             "reduce_and", "reduce_or", "reduce_xor"))
+
+
+def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
+  """One key for a reduction over every dim of a value and the same reduction of a reshape in
+  effect of it (``relaid``: such a value -> the value it re-lays): XLA's simplifier reduces the
+  value itself, whose elements are in the same order, and its CSE merges the two, collectives
+  included (``jnp.einsum('ab,cd->cd', x[None], x[None])`` sums ``x[None]``, as ``x.sum()``
+  does). None for any other op."""
+  if op.primitive not in FULL_REDUCTIONS or op.merge_params is None:
+    return None
+  x = op.inputs[0]
+  if len(op.params["axes"]) != len(x.shape):
+    return None
+  primitive, params = op.merge_params
+  rest = tuple((k, v) for k, v in params if k != "axes")
+  return "full reduction", primitive, rest, relaid.get(x, x).id
 
 
 def _reshapes_in_effect(op: Op) -> bool:
