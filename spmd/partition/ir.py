@@ -548,8 +548,8 @@ def _movable(op: Op, inside: set[Value]) -> bool:
 _SIZE_ONE_REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod")
 
 
-FULL_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
-                             "reduce_and", "reduce_or", "reduce_xor"))
+_FULL_REDUCTIONS = frozenset(("reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                              "reduce_and", "reduce_or", "reduce_xor"))
 
 
 def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
@@ -558,7 +558,7 @@ def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
   value itself, whose elements are in the same order, and its CSE merges the two, collectives
   included (``jnp.einsum('ab,cd->cd', x[None], x[None])`` sums ``x[None]``, as ``x.sum()``
   does). None for any other op."""
-  if op.primitive not in FULL_REDUCTIONS or op.merge_params is None:
+  if op.primitive not in _FULL_REDUCTIONS or op.merge_params is None:
     return None
   x = op.inputs[0]
   if len(op.params["axes"]) != len(x.shape):

@@ -488,19 +488,22 @@ def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
   return x
 
 
+_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
 def _all_reduce(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
   if x.dtype == jnp.bool_:
     return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
   if op != "sum" and jnp.iscomplexobj(x):
     return _complex_extremum(x, axes, op)
-  return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](x, axes)
+  return _ALL_REDUCE[op](x, axes)
 
 
 def _complex_extremum(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
   """The max / min of complex ``x`` over ``axes`` in ``lax.max``'s lexicographic order (real
   part, then imaginary), which no backend's all-reduce takes: the real parts' extremum, then
   the imaginary parts' among the devices holding it (two all-reduces of the parts' bytes)."""
-  extremum = {"max": lax.pmax, "min": lax.pmin}[op]
+  extremum = _ALL_REDUCE[op]
   re = extremum(x.real, axes)
   beyond = -jnp.inf if op == "max" else jnp.inf
   im = extremum(jnp.where(x.real == re, x.imag, beyond), axes)
