@@ -6,7 +6,7 @@ partitioned step against ``jax.jit`` of the same step, each called as a training
 The step is ``spmd.train``'s (value_and_grad of the next-token loss, AdamW) on a mesh of the
 first ``--devices`` devices (default 1, where both programs are the same computation and what
 differs is the work on the host around each call), data-parallel rules. Both are compiled by
-their first call. Then ``--rounds`` interleaved rounds (ours, jit, ours, jit, ...), each of
+their first call. Then ``--rounds`` interleaved rounds (ours, jit; jit, ours; ...), each of
 ``--steps`` steps that feed the returned state back, timed from the first call to the last
 result ready: dispatch, argument checks and device time together, as a user's loop sees them.
 Reported per batch size: median ms per step of each, their ratio, and each compiled program's
@@ -67,12 +67,13 @@ def measure(config: transformer.Config, batch: int, seq: int, devices: int, roun
             entry_counts(jit_lowered.compile().as_text())]
   states = {"ours": state, "jit": state}
   contenders = {"ours": lm.ours, "jit": xla}
+  names = list(contenders)
   times: dict[str, list[float]] = {name: [] for name in contenders}
   for name, fn in contenders.items():
     _, states[name] = loop(fn, states[name], tokens, 3)
-  for _ in range(rounds):
-    for name, fn in contenders.items():
-      seconds, states[name] = loop(fn, states[name], tokens, steps)
+  for r in range(rounds):  # each goes first in every other round: no bias from the order
+    for name in (names if r % 2 == 0 else names[::-1]):
+      seconds, states[name] = loop(contenders[name], states[name], tokens, steps)
       times[name].append(seconds)
   med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
   return (batch, f"{med['ours']:.2f}", f"{med['jit']:.2f}", f"{med['ours'] / med['jit']:.3f}",
