@@ -433,14 +433,6 @@ XFAIL: dict[Callable, str] = {
         "the sorted values of f32[8,16] P('a','b') along dim 1 come back as P(('a','b')), the "
         "form propagation gave the sort, where jax.jit returns P('a','b'): the open sort output "
         "of Known gaps (its cotangent matches)"),
-    grad_of_cumprod_along_a_sharded_dim: (
-        "the associative scan's transpose shifts equal local blocks under different names; "
-        "XLA's CSE merges one of spmd's right halo permutes: over f32[2,8] P('a','b') the plan "
-        "counts 76 B of permutes where the compiled program moves 72 B (f32[8,16]: 384 / 368 B) "
-        "(Known gaps)"),
-    grad_over_an_uneven_dim_of_a_cumulative_max: (
-        "as grad_of_cumprod: over f32[2,6] P('a','b') XLA's CSE merges one right halo permute, "
-        "plan 40 B of permutes, compiled 36 B (f32[6,10]: 336 / 324 B) (Known gaps)"),
 }
 
 
