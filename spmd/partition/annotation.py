@@ -82,11 +82,14 @@ def constraint_request(op: Op) -> Request:
   return spec, frozenset(open_dims)
 
 
-def reshard_request(op: Op) -> Request:
+def reshard_request(op: Op) -> Request | None:
   """``jax.sharding.reshard``'s destination. Over Explicit axes it is the result's type: a dim it
   leaves None is replicated, as under ``jax.jit``; where its mesh has Auto axes (inside
-  ``auto_axes``) only the dims naming mesh axes are asked for."""
+  ``auto_axes``) only the dims naming mesh axes are asked for. One onto a mesh without axes (the
+  cast jax.grad adds to a cotangent under ``jax.set_mesh``) asks nothing."""
   sharding = op.params["dst_sharding"]
+  if not sharding.mesh.axis_names:
+    return None
   spec, rank = sharding.spec, len(op.outputs[0].shape)
   if AxisType.Auto not in sharding.mesh.axis_types:
     return spec, frozenset(d for d in range(min(rank, len(spec))) if spec[d] is P.UNCONSTRAINED)

@@ -323,7 +323,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
     same = (_only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
-            or _identity_arithmetic(op))
+            or _identity_arithmetic(op, makers))
     if same is not None:
       alias[op.outputs[0]] = same
       continue
@@ -435,17 +435,27 @@ _IDENTITY_LITERALS: dict[str, tuple[tuple[int, ...], int]] = {
     "add": ((0, 1), 0), "sub": ((1,), 0), "mul": ((0, 1), 1), "div": ((1,), 1)}
 
 
-def _identity_arithmetic(op: Op) -> Value | None:
+def _identity_arithmetic(op: Op, makers: Mapping[Value, Op]) -> Value | None:
   """The operand ``x`` of ``x + 0``, ``0 + x``, ``x - 0``, ``x * 1``, ``1 * x`` or ``x / 1`` (a
-  scalar literal, the result typed as ``x``), else None: XLA's algebraic simplifier drops such an
-  op, so collectives on either side of it merge in the compiled program."""
+  scalar literal or a broadcast of one, as ``jax.grad`` seeds a sum's cotangent; the result typed
+  as ``x``), else None: XLA's algebraic simplifier drops such an op, so collectives on either
+  side of it merge in the compiled program."""
   places, value = _IDENTITY_LITERALS.get(op.primitive, ((), None))
   for k in places:
-    literal, x = op.inputs[k], op.inputs[1 - k]
-    if (isinstance(literal, Literal) and isinstance(x, Value) and _typed_alike(x, op.outputs[0])
-        and np.ndim(literal.val) == 0 and literal.val == value):
+    literal, x = _scalar_literal(op.inputs[k], makers), op.inputs[1 - k]
+    if (literal is not None and isinstance(x, Value) and _typed_alike(x, op.outputs[0])
+        and literal.val == value):
       return x
   return None
+
+
+def _scalar_literal(a: Atom, makers: Mapping[Value, Op]) -> Literal | None:
+  """``a`` if it is a scalar literal, the literal a ``broadcast_in_dim`` of one makes ``a`` from,
+  else None."""
+  maker = makers.get(a) if isinstance(a, Value) else None
+  if maker is not None and maker.primitive == "broadcast_in_dim":
+    a = maker.inputs[0]
+  return a if isinstance(a, Literal) and np.ndim(a.val) == 0 else None
 
 
 def _typed_alike(x: Value, y: Value) -> bool:
