@@ -161,7 +161,9 @@ class ExecutionPlanner:
         for first, operands_first in (("reductions", False), ("others", False),
                                       ("reductions", True), ("larger", True)))
     for kept in _each_operands_layout(c, shardings, from_operands, self.mesh):
-      choices.setdefault(_factor_axes(c, from_results, kept, self.mesh, "larger", True))
+      for operands_first in (True, False):  # or the results' axes where they have them
+        choices.setdefault(_factor_axes(c, from_results, kept, self.mesh, "larger",
+                                        operands_first))
     if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
       choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
     if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
@@ -311,7 +313,8 @@ def _each_operands_layout(c: Constraint, shardings: Mapping[Value, TensorShardin
   """For each operand of several whose axes disagree with another's on a factor: the operands'
   projections with that operand's axes taking every factor it shards, so that the op may run
   in its layout and move the others (XLA moves whichever operand costs less; the larger one
-  keeping its axes is the default choice)."""
+  keeping its axes is the default choice). The caller tries each with the results' axes on the
+  other factors too (x P(None,'a') @ y P('b') into P('a'): y's contracting 'b', the rows 'a')."""
   disputed = {f for f, cands in from_operands.items() if len({a for _, a in cands if a}) > 1}
   if not disputed:
     return []

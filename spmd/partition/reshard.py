@@ -26,7 +26,9 @@ realigns its blocks to the kept ones by collective-permutes and gathers the rest
 and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
 first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
 collective-permute of whole blocks (``TradeBlocks``); dims whose new blocks each lie inside one
-old block, in one collective-permute of the new block (``TakeSubBlocks``, ``sub_blocks``).
+old block, in one collective-permute of the new block (``TakeSubBlocks``, ``sub_blocks``); dims
+whose new blocks are several whole old ones, in one collective-permute per old block
+(``CollectBlocks``).
 """
 from __future__ import annotations
 
@@ -335,12 +337,85 @@ class TakeSubBlocks(ReshardStep):
     return permute(x, self.axes, pairs, mesh)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollectBlocks(ReshardStep):
+  """Dims change their axes so that each new block is k whole old blocks (P('b') -> P('a') on a
+  2x4 mesh: two): k collective-permutes of the old block, in each of which every device receives
+  one of the old blocks its new block holds, each holder serving one device, and puts it in
+  place. XLA permutes devices and all-gathers pairs of blocks over groups no mesh axis names;
+  this moves the new block once (its ``bytes``), where XLA's permute moves an old block more.
+  ``axes``: the mesh axes of the changing dims, in mesh order."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def ratios(self, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    """The changing dims, and the old blocks per new block along each."""
+    dims = [d for d, (h, w) in enumerate(zip(self.before.dims, self.after.dims)) if h != w]
+    return dims, [axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d], mesh)
+                  for d in dims]
+
+  def routes(self, mesh: MeshShape) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """Per permute, its (source, target) devices linearized in ``axes`` order and, per device,
+    which of its new block's old blocks (numbered over the changing dims, major first) it
+    receives: the i-th device needing a new block takes its ((i + r) % k)-th old block in permute
+    r from the (i // k)-th device holding that one."""
+    dims, ratios = self.ratios(mesh)
+    holders: dict[tuple[int, ...], list[int]] = {}
+    needers: dict[tuple[int, ...], list[int]] = {}
+    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
+      coords = dict(zip(self.axes, idx))
+      holders.setdefault(tuple(_block(self.before.dims[d], coords, mesh) for d in dims),
+                         []).append(k)
+      needers.setdefault(tuple(_block(self.after.dims[d], coords, mesh) for d in dims),
+                         []).append(k)
+    count = math.prod(ratios)
+    rounds = []
+    for r in range(count):
+      pairs, places = [], [0] * self.count(mesh)
+      for block, targets in needers.items():
+        for i, t in enumerate(targets):
+          places[t] = (i + r) % count
+          offsets = np.unravel_index(places[t], ratios)
+          old = tuple(b * q + o for b, q, o in zip(block, ratios, offsets))
+          pairs.append((holders[old][i // count], t))
+      rounds.append((pairs, places))
+    return rounds
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    dims, ratios = self.ratios(mesh)
+    me = shard_index(self.axes)
+    out = jnp.zeros([n * (ratios[dims.index(d)] if d in dims else 1)
+                     for d, n in enumerate(x.shape)], x.dtype)
+    for pairs, places in self.routes(mesh):
+      offsets = jnp.unravel_index(jnp.asarray(places, jnp.int32)[me], ratios)
+      starts = [offsets[dims.index(d)] * n if d in dims else 0 for d, n in enumerate(x.shape)]
+      out = lax.dynamic_update_slice(out, permute(x, self.axes, pairs, mesh), starts)
+    return out
+
+
+def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+               mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` as one ``CollectBlocks`` where each changing dim's new blocks are whole
+  old ones (evenly split, fewer blocks after) and its axes are not merely a prefix kept (a
+  gather of the rest moves as much); else None."""
+  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+  if any(shape[d] % axes_size(src.dims[d], mesh)
+         or axes_size(src.dims[d], mesh) % axes_size(dst.dims[d], mesh)
+         or axes_size(src.dims[d], mesh) == axes_size(dst.dims[d], mesh)
+         or tuple(src.dims[d][:len(dst.dims[d])]) == tuple(dst.dims[d]) for d in changed):
+    return None
+  axes = tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in changed))
+  return (CollectBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
+                        mesh=mesh),)
+
+
 def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                 mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` (after an all-reduce of partial sums ``dst`` does not keep) as one
   ``TakeSubBlocks`` where that applies: some dim sharded before, and each new block inside one
-  old block of every changing dim (evenly split); else, where it applies, as a swap of a dim's
-  major axis before gathers (``_swapped_then_gathered``); else None. Not among
+  old block of every changing dim (evenly split); else, where they apply, as the cheaper of a
+  swap of a dim's major axis before gathers (``_swapped_then_gathered``) and a collection of
+  whole old blocks (``CollectBlocks``); else None. Not among
   ``plan_reshard``'s options: these skip the forms a gather passes through, which a value's
   other readers may reuse, so the schedule takes them only for a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
@@ -349,8 +424,11 @@ def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
     return None
   if any(axes_size(dst.dims[d], mesh) % axes_size(summed.dims[d], mesh)
          or shape[d] % axes_size(dst.dims[d], mesh) for d in changed):
-    swapped = _swapped_then_gathered(summed, dst, shape, itemsize, mesh)
-    return None if swapped is None else reduced + swapped
+    options = [steps for steps in (_swapped_then_gathered(summed, dst, shape, itemsize, mesh),
+                                   _collected(summed, dst, shape, itemsize, mesh))
+               if steps is not None]
+    return reduced + min(options, key=lambda steps: sum(s.bytes for s in steps)) if options \
+        else None
   axes = tuple(a for a in mesh if any(a in summed.dims[d] or a in dst.dims[d] for d in changed))
   return reduced + (TakeSubBlocks(axes=axes, before=summed, after=dst, shape=shape,
                                   itemsize=itemsize, mesh=mesh),)
