@@ -415,23 +415,60 @@ def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
   ``TakeSubBlocks`` where that applies: some dim sharded before, and each new block inside one
   old block of every changing dim (evenly split); else, where they apply, as the cheaper of a
   swap of a dim's major axis before gathers (``_swapped_then_gathered``) and a collection of
-  whole old blocks (``CollectBlocks``); else None. Not among
-  ``plan_reshard``'s options: these skip the forms a gather passes through, which a value's
-  other readers may reuse, so the schedule takes them only for a sole reader."""
+  whole old blocks (``CollectBlocks``); or as one of these into a form that still holds the
+  axes ``dst`` drops, then gathers (``_permuted_then_gathered``), where that is cheaper; else
+  None. Not among ``plan_reshard``'s options: these skip the forms a gather passes through,
+  which a value's other readers may reuse, so the schedule takes them only for a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
-  changed = [d for d, (h, w) in enumerate(zip(summed.dims, dst.dims)) if h != w]
-  if summed.partial or dst.partial or not any(summed.dims[d] for d in changed):
+  if summed.partial or dst.partial:
     return None
-  if any(axes_size(dst.dims[d], mesh) % axes_size(summed.dims[d], mesh)
+  options = [steps for steps in (_permuted(summed, dst, shape, itemsize, mesh),
+                                 _permuted_then_gathered(summed, dst, shape, itemsize, mesh))
+             if steps is not None]
+  return reduced + min(options, key=_moved) if options else None
+
+
+def _moved(steps: Sequence[ReshardStep]) -> int:
+  return sum(s.bytes for s in steps)
+
+
+def _permuted(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+              mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` (no partial sums) as one ``TakeSubBlocks``, or the cheaper of
+  ``_swapped_then_gathered`` and ``CollectBlocks`` (see ``sub_blocks``); None where none
+  applies."""
+  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+  if not any(src.dims[d] for d in changed):
+    return None
+  if any(axes_size(dst.dims[d], mesh) % axes_size(src.dims[d], mesh)
          or shape[d] % axes_size(dst.dims[d], mesh) for d in changed):
-    options = [steps for steps in (_swapped_then_gathered(summed, dst, shape, itemsize, mesh),
-                                   _collected(summed, dst, shape, itemsize, mesh))
+    options = [steps for steps in (_swapped_then_gathered(src, dst, shape, itemsize, mesh),
+                                   _collected(src, dst, shape, itemsize, mesh))
                if steps is not None]
-    return reduced + min(options, key=lambda steps: sum(s.bytes for s in steps)) if options \
-        else None
-  axes = tuple(a for a in mesh if any(a in summed.dims[d] or a in dst.dims[d] for d in changed))
-  return reduced + (TakeSubBlocks(axes=axes, before=summed, after=dst, shape=shape,
-                                  itemsize=itemsize, mesh=mesh),)
+    return min(options, key=_moved) if options else None
+  axes = tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in changed))
+  return (TakeSubBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
+                        mesh=mesh),)
+
+
+def _permuted_then_gathered(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
+                            itemsize: int, mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` through ``dst`` with the axes it drops kept where ``src`` has them
+  (after ``dst``'s own on their dim): a permute (``_permuted``) into that form, then gathers of
+  the kept axes, so a block moves before it grows (P('a','b') -> P(None,('c','b')) of f32[8,16]
+  on a 2x2x2 mesh: a [4,4] block permuted, then gathered over 'a', 192 B, where gathering first
+  moves 768 B); None where there is no such form or no permute into it."""
+  used = {a for axes in dst.dims for a in axes}
+  dims = tuple(tuple(want) + tuple(a for a in have if a not in used)
+               for have, want in zip(src.dims, dst.dims))
+  mid = TensorSharding(dims)
+  if mid.dims in (src.dims, dst.dims) or any(n % axes_size(axes, mesh)
+                                              for n, axes in zip(shape, dims)):
+    return None
+  permuted = _permuted(src, mid, shape, itemsize, mesh)
+  if permuted is None:
+    return None
+  return permuted + _plan_reshard(mid, dst, shape, itemsize, mesh, park=False)
 
 
 def _swapped_then_gathered(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
