@@ -190,6 +190,17 @@ class CollectivePermute(ReshardStep):
     return tuple(a for a in after if a in moving)
 
 
+def _changed_dims(src: TensorSharding, dst: TensorSharding) -> list[int]:
+  """The dims whose axes differ between ``src`` and ``dst``."""
+  return [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+
+
+def _axes_of(src: TensorSharding, dst: TensorSharding, dims: Sequence[int],
+             mesh: MeshShape) -> Axes:
+  """The mesh axes that split ``dims`` in ``src`` or ``dst``, in mesh order."""
+  return tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in dims))
+
+
 def _block(order: Sequence[str], coords: dict[str, int], mesh: MeshShape) -> int:
   """The block of a dim split over ``order`` that the device at ``coords`` holds."""
   return int(np.ravel_multi_index([coords[a] for a in order], [mesh[a] for a in order]))
@@ -290,13 +301,10 @@ class TakeSubBlocks(ReshardStep):
 
   kind: ClassVar[str] = "collective-permute"
 
-  def changing(self) -> list[int]:
-    return [d for d, (h, w) in enumerate(zip(self.before.dims, self.after.dims)) if h != w]
-
   def routes(self, mesh: MeshShape) -> tuple[list[tuple[int, int]], list[list[int]]]:
     """(source, target) devices linearized in ``axes`` order, and per changing dim the new block
     (numbered within its old block) each device sends."""
-    dims = self.changing()
+    dims = _changed_dims(self.before, self.after)
     ratios = [axes_size(self.after.dims[d], mesh) // axes_size(self.before.dims[d], mesh)
               for d in dims]
     holders: dict[tuple[int, ...], list[int]] = {}
@@ -330,7 +338,7 @@ class TakeSubBlocks(ReshardStep):
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     pairs, sends = self.routes(mesh)
     me = shard_index(self.axes)
-    for d, sent in zip(self.changing(), sends):
+    for d, sent in zip(_changed_dims(self.before, self.after), sends):
       size = x.shape[d] * axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d],
                                                                             mesh)
       x = lax.dynamic_slice_in_dim(x, jnp.asarray(sent, jnp.int32)[me] * size, size, d)
@@ -350,7 +358,7 @@ class CollectBlocks(ReshardStep):
 
   def ratios(self, mesh: MeshShape) -> tuple[list[int], list[int]]:
     """The changing dims, and the old blocks per new block along each."""
-    dims = [d for d, (h, w) in enumerate(zip(self.before.dims, self.after.dims)) if h != w]
+    dims = _changed_dims(self.before, self.after)
     return dims, [axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d], mesh)
                   for d in dims]
 
@@ -398,13 +406,13 @@ def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
   """``src`` -> ``dst`` as one ``CollectBlocks`` where each changing dim's new blocks are whole
   old ones (evenly split, fewer blocks after) and its axes are not merely a prefix kept (a
   gather of the rest moves as much); else None."""
-  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+  changed = _changed_dims(src, dst)
   if any(shape[d] % axes_size(src.dims[d], mesh)
          or axes_size(src.dims[d], mesh) % axes_size(dst.dims[d], mesh)
          or axes_size(src.dims[d], mesh) == axes_size(dst.dims[d], mesh)
          or tuple(src.dims[d][:len(dst.dims[d])]) == tuple(dst.dims[d]) for d in changed):
     return None
-  axes = tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in changed))
+  axes = _axes_of(src, dst, changed, mesh)
   return (CollectBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
                         mesh=mesh),)
 
@@ -437,7 +445,7 @@ def _permuted(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], it
   """``src`` -> ``dst`` (no partial sums) as one ``TakeSubBlocks``, or the cheaper of
   ``_swapped_then_gathered`` and ``CollectBlocks`` (see ``sub_blocks``); None where none
   applies."""
-  changed = [d for d, (h, w) in enumerate(zip(src.dims, dst.dims)) if h != w]
+  changed = _changed_dims(src, dst)
   if not any(src.dims[d] for d in changed):
     return None
   if any(axes_size(dst.dims[d], mesh) % axes_size(src.dims[d], mesh)
@@ -446,7 +454,7 @@ def _permuted(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], it
                                    _collected(src, dst, shape, itemsize, mesh))
                if steps is not None]
     return min(options, key=_moved) if options else None
-  axes = tuple(a for a in mesh if any(a in src.dims[d] or a in dst.dims[d] for d in changed))
+  axes = _axes_of(src, dst, changed, mesh)
   return (TakeSubBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
                         mesh=mesh),)
 
