@@ -187,12 +187,13 @@ def test_coarser_blocks_beside_a_kept_dim_3d():  # ReshardTiledTo, ('a','b') -> 
 
 def test_reshard_permutes_the_block_before_gathering_a_dropped_axis_3d():  # ReshardTiledTo
   """P('a','b') -> P(None,('c','b')) of f32[8,16]: each device's new [8,4] block is a column
-  quarter of the 'b' half held by the devices with b == its c. A collective-permute into
-  P('a',('c','b')) moves the [4,4] piece (64 B), then 'a' is gathered (128 B): 192 B, as XLA
-  (was 768 B: 'a' gathered first, then the columns gathered whole and sliced)."""
+  quarter of the 'b' half held by the devices with b == its c, in both 'a' row halves: two
+  [4,4] pieces, each taken by a collective-permute (``ExchangePieces``), 128 B. A permute into
+  P('a',('c','b')) then a gather of 'a' moves 192 B, as XLA (768 B before round 31: 'a'
+  gathered first, then the columns gathered whole and sliced)."""
   plan = no_more_than_xla(lambda x: x * 2, (randn(8, 16),), P("a", "b"), "a2b2c2",
                           P(None, ("c", "b")))
-  assert plan.total_bytes == 192, plan.explain()
+  assert plan.total_bytes == 128, plan.explain()
 
 
 def test_dot_lhs_partial_replicate_rhs_tiled_3d():  # DotPartialDeviceOrder-like, 2x2x2

@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from spmd.partition.devices import permute, shard_index
+from spmd.partition.rounds import into_rounds, rounds_needed
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 
 Shape = Sequence[int]
@@ -53,8 +54,8 @@ Shape = Sequence[int]
 @dataclass(frozen=True, kw_only=True)
 class ReshardStep(abc.ABC):
   """One step on a tensor of global shape ``shape``: ``before`` → ``after`` over mesh ``axes``,
-  acting on dim ``dim``. ``bytes`` is per device: the larger of its ``buffers`` at ``itemsize``
-  bytes per element (0 for a step that does not communicate)."""
+  acting on dim ``dim``. ``bytes`` is per device: what it ``moved`` at ``itemsize`` bytes per
+  element (0 for a step that does not communicate)."""
 
   kind: ClassVar[str]
   communicates: ClassVar[bool] = True
@@ -68,11 +69,22 @@ class ReshardStep(abc.ABC):
   mesh: InitVar[MeshShape]
 
   def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
-    moved = 0
-    if self.communicates:
-      src, out = self.buffers(shape, mesh)
-      moved = max(math.prod(src), math.prod(out)) * itemsize
-    object.__setattr__(self, "bytes", moved)
+    object.__setattr__(self, "bytes", self.moved(shape, mesh) * itemsize if self.communicates
+                       else 0)
+
+  def moved(self, shape: Shape, mesh: MeshShape) -> int:
+    """Elements the step moves per device: the larger of its ``buffers``."""
+    src, out = self.buffers(shape, mesh)
+    return max(math.prod(src), math.prod(out))
+
+  def sent(self, mesh: MeshShape) -> int:
+    """Bytes this device sends: a collective-permute sends its whole buffer, a collective over
+    a group of k devices (k-1)/k of it (twice that for an all-reduce), as in a ring; what the
+    step costs a link, where ``bytes`` is the buffer size XLA's HLO shows."""
+    if self.kind == "collective-permute":
+      return self.bytes
+    k = self.count(mesh)
+    return self.bytes * (k - 1) * (2 if self.kind == "all-reduce" else 1) // k
 
   def count(self, mesh: MeshShape) -> int:
     """Devices along ``axes``: the blocks the step combines or splits."""
@@ -401,6 +413,159 @@ class CollectBlocks(ReshardStep):
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class PieceMove:
+  """One move of a piece of each device's new block, per device (linearized in the step's
+  ``axes``): where along the changing dims it starts in the old block it is cut from
+  (``taken``) and in the new block (``placed``; None: the device places none in this move).
+  ``pairs``: the collective-permute's (source, target) devices; None for a local copy."""
+
+  pairs: tuple[tuple[int, int], ...] | None
+  taken: tuple[tuple[int, ...], ...]
+  placed: tuple[tuple[int, ...] | None, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Transfer:
+  """A piece that ``target`` needs from ``source`` (itself for a local copy), starting at
+  ``taken`` in the old block and at ``placed`` in the new one (changing dims)."""
+
+  source: int
+  target: int
+  taken: tuple[int, ...]
+  placed: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangePieces(ReshardStep):
+  """Dims change their axes so that along each the new blocks are whole old ones or lie inside
+  one (P('a','b') -> P('b','a') of f32[8,8] on a 2x4 mesh: a new [2,4] block is two [2,2]
+  pieces of old blocks): each device builds its new block from the pieces of old blocks it
+  covers, copying those it holds and receiving the others by collective-permutes of one piece,
+  as many as the device that sends or receives the most needs (``rounds.py``); a piece held by
+  several devices comes from the least busy. XLA moves such axes through sub-axes, by an
+  all-to-all and a permute of whole blocks; this moves each missing piece once.
+  ``axes``: the mesh axes of the changing dims, in mesh order."""
+
+  kind: ClassVar[str] = "collective-permute"
+
+  def rounds(self, shape: Shape, mesh: MeshShape) -> int:
+    """The collective-permutes the step runs."""
+    block = self.before.local_shape(shape, mesh)
+    return rounds_needed([(t.source, t.target) for t in _piece_transfers(
+        self.before, self.after, self.axes, block, tuple(mesh.items())) if t.source != t.target])
+
+  def moved(self, shape: Shape, mesh: MeshShape) -> int:
+    """A piece per round."""
+    return self.rounds(shape, mesh) * math.prod(map(min, self.before.local_shape(shape, mesh),
+                                                    self.after.local_shape(shape, mesh)))
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    dims = _changed_dims(self.before, self.after)
+    new = [n * self.before.shards(d, mesh) // self.after.shards(d, mesh)
+           for d, n in enumerate(x.shape)]
+    piece = list(map(min, x.shape, new))
+    me = shard_index(self.axes)
+    out = jnp.zeros(new, x.dtype)
+    for move in _piece_moves(self.before, self.after, self.axes, x.shape, tuple(mesh.items())):
+      part = lax.dynamic_slice(x, _starts(move.taken, dims, x.ndim, me), piece)
+      if move.pairs is not None:
+        part = permute(part, self.axes, list(move.pairs), mesh)
+      zero = (0,) * len(dims)
+      placed = _starts([p or zero for p in move.placed], dims, x.ndim, me)
+      if None in move.placed:  # a device placing nothing writes back what it has
+        idle = jnp.asarray([p is None for p in move.placed])[me]
+        part = jnp.where(idle, lax.dynamic_slice(out, placed, piece), part)
+      out = lax.dynamic_update_slice(out, part, placed)
+    return out
+
+
+def _starts(table: Sequence[tuple[int, ...]], dims: Sequence[int], rank: int,
+            me: jax.Array) -> list[jax.Array | int]:
+  """This device's row of a per-device ``table`` of starts along ``dims``, as starts of all
+  ``rank`` dims (0 on the others)."""
+  row = jnp.asarray(table, jnp.int32)[me]
+  return [row[dims.index(d)] if d in dims else 0 for d in range(rank)]
+
+
+@functools.lru_cache(maxsize=256)
+def _piece_transfers(before: TensorSharding, after: TensorSharding, axes: Axes,
+                     block: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
+                     ) -> tuple[_Transfer, ...]:
+  """Every piece each device needs for ``ExchangePieces`` (old blocks of shape ``block``), from
+  itself where it holds the piece, else from the holder with the fewest pieces to send so far."""
+  mesh = dict(mesh_items)
+  dims = _changed_dims(before, after)
+  old = [block[d] for d in dims]
+  new = [block[d] * before.shards(d, mesh) // after.shards(d, mesh) for d in dims]
+  coords = [dict(zip(axes, idx)) for idx in itertools.product(*(range(mesh[a]) for a in axes))]
+  held = [tuple(_block(before.dims[d], c, mesh) for d in dims) for c in coords]
+  holders: dict[tuple[int, ...], list[int]] = {}
+  for k, b in enumerate(held):
+    holders.setdefault(b, []).append(k)
+  load = [0] * len(coords)
+  out = []
+  for k, c in enumerate(coords):
+    first = [_block(after.dims[d], c, mesh) * n for d, n in zip(dims, new)]
+    for placed in itertools.product(*(range(0, n, min(n, o)) for n, o in zip(new, old))):
+      at = [f + p for f, p in zip(first, placed)]
+      source = tuple(a // o for a, o in zip(at, old))
+      sender = k if held[k] == source else min(holders[source], key=lambda h: load[h])
+      load[sender] += sender != k
+      out.append(_Transfer(source=sender, target=k, taken=tuple(a % o for a, o in zip(at, old)),
+                           placed=placed))
+  return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _piece_moves(before: TensorSharding, after: TensorSharding, axes: Axes,
+                 block: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
+                 ) -> tuple[PieceMove, ...]:
+  """``ExchangePieces``'s moves: the local copies (as many as a device makes at most), then one
+  collective-permute per round of the other pieces (``rounds.into_rounds``)."""
+  transfers = _piece_transfers(before, after, axes, block, mesh_items)
+  devices = math.prod(m for a, m in mesh_items if a in axes)
+  width = len(_changed_dims(before, after))
+  local: list[_Transfer | None] = [None] * devices  # one at most: each piece is another block's
+  for t in transfers:
+    if t.source == t.target:
+      local[t.target] = t
+  sent = [t for t in transfers if t.source != t.target]
+  moves = []
+  if any(local):
+    moves.append(PieceMove(pairs=None, taken=tuple(t.taken if t else (0,) * width for t in local),
+                           placed=tuple(t and t.placed for t in local)))
+  colour = into_rounds([(t.source, t.target) for t in sent])
+  for r in range(max(colour, default=-1) + 1):
+    these = [t for t, c in zip(sent, colour) if c == r]
+    taken, placed = [(0,) * width] * devices, [None] * devices
+    for t in these:
+      taken[t.source], placed[t.target] = t.taken, t.placed
+    moves.append(PieceMove(pairs=tuple((t.source, t.target) for t in these), taken=tuple(taken),
+                           placed=tuple(placed)))
+  return tuple(moves)
+
+
+def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+               mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+  """``src`` -> ``dst`` (no partial sums) as one ``ExchangePieces`` where each changing dim
+  splits evenly before and after into blocks that nest (whole old ones or inside one), and it
+  sends fewer bytes than ``plan_reshard``'s collectives (``ReshardStep.sent``: their HLO buffers
+  overstate what a gather or an all-to-all sends), or as many in fewer collectives (each round
+  costs a collective's latency); else None."""
+  changed = _changed_dims(src, dst)
+  counts = [(src.shards(d, mesh), dst.shards(d, mesh)) for d in changed]
+  if not changed or any(shape[d] % b or shape[d] % a or max(b, a) % min(b, a)
+                        for d, (b, a) in zip(changed, counts)):
+    return None
+  step = ExchangePieces(axes=_axes_of(src, dst, changed, mesh), before=src, after=dst,
+                        shape=shape, itemsize=itemsize, mesh=mesh)
+  route = plan_reshard(src, dst, shape, itemsize, mesh)
+  mine = (step.sent(mesh), step.rounds(shape, mesh))
+  return (step,) if mine < (sum(s.sent(mesh) for s in route),
+                            sum(s.communicates for s in route)) else None
+
+
 def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` as one ``CollectBlocks`` where each changing dim's new blocks are whole
@@ -431,7 +596,8 @@ def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
   if summed.partial or dst.partial:
     return None
   options = [steps for steps in (_permuted(summed, dst, shape, itemsize, mesh),
-                                 _permuted_then_gathered(summed, dst, shape, itemsize, mesh))
+                                 _permuted_then_gathered(summed, dst, shape, itemsize, mesh),
+                                 _exchanged(summed, dst, shape, itemsize, mesh))
              if steps is not None]
   return reduced + min(options, key=_moved) if options else None
 
