@@ -267,9 +267,10 @@ def test_while_body_replicated_to_tiled_reshard():  # While, ReplicatedToTiled i
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "the carry's P('b') -> P('a') (coarser blocks on other axes) is gathered whole and sliced "
-    "in the body: 32 (permute) + 32 (all-to-all) + 128 = 192 B per trip; XLA moves 64 B (an "
-    "all-to-all and a permute of the [2,4] block)"))
+    "the body reshards the carry P('a') -> P('b') (a permute, 32 B), xs P(None,'b') -> "
+    "P('b') (an all-to-all, 32 B) and the new carry back to P('a') (two permutes of its [2,4] "
+    "pieces, 64 B; 128 B gathered whole and sliced before round 14): 128 B per trip; XLA moves "
+    "64 B (an all-to-all and a permute of the [2,4] block)"))
 def test_scan_body_reshards_carry_against_xs():  # While (a scan), TiledToTiled carry vs xs
   mesh = get_mesh("a2b4")
   rows = NamedSharding(mesh, P("b"))

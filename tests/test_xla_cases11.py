@@ -143,7 +143,7 @@ def test_clamp_bounds_on_other_axes_2x2():  # Clamp, lo and hi tiled unlike x
 
 def test_cond_branches_move_differently_3d():  # Conditional, a transpose vs a reduction
   """The reduction's [1,8] P(None,('b','c')) is read as P(None,'a') by the broadcast: two
-  collective-permutes of the [1,2] block (reshard.py's CollectBlocks), 8 + 16 = 24 B with the
+  collective-permutes of the [1,2] block (reshard.py's ExchangePieces), 8 + 16 = 24 B with the
   all-reduce (was 32 B, as XLA: a permute swapping 'b' for 'a' and a gather over 'c'; 40 B
   before that, gathered whole)."""
   f = lambda p, x: lax.cond(p, lambda v: v.T * 2, lambda v: jnp.broadcast_to(
@@ -155,7 +155,7 @@ def test_cond_branches_move_differently_3d():  # Conditional, a transpose vs a r
 
 def test_reshard_to_coarser_blocks_swapped_major_axis_3d():  # ReshardTiledTo, (('b','c'),) -> a
   """Each [4,4] block of P('a') is two [2,4] blocks of P(('b','c')): two collective-permutes of
-  the old block (reshard.py's CollectBlocks), 64 B (was 96 B, as XLA: a permute swapping 'b'
+  the old block (reshard.py's ExchangePieces), 64 B (was 96 B, as XLA: a permute swapping 'b'
   for 'a' and a gather over 'c'; 128 B before that, gathered whole and sliced)."""
   plan = no_more_than_xla(lambda x: x * 2, (randn(8, 4),), P(("b", "c")), "a2b2c2", P("a"))
   assert plan.total_bytes == 64, plan.explain()

@@ -179,7 +179,7 @@ def test_partial_replicate_reshape_merge():  # PartialReplicateReshape, 'b' repl
 
 def test_coarser_blocks_beside_a_kept_dim_3d():  # ReshardTiledTo, ('a','b') -> 'b' beside 'c'
   """Each [2,4] block of P('c','b') is two [2,2] blocks of P('c',('a','b')): two
-  collective-permutes of the old block (CollectBlocks), 32 B, where XLA permutes and gathers."""
+  collective-permutes of the old block (ExchangePieces), 32 B, where XLA permutes and gathers."""
   plan = no_more_than_xla(lambda x: x * 2, (randn(4, 8),), P("c", ("a", "b")), "a2b2c2",
                           P("c", "b"))
   assert plan.total_bytes == 32, plan.explain()
@@ -189,7 +189,7 @@ def test_reshard_permutes_the_block_before_gathering_a_dropped_axis_3d():  # Res
   """P('a','b') -> P(None,('c','b')) of f32[8,16]: each device's new [8,4] block is a column
   quarter of the 'b' half held by the devices with b == its c, in both 'a' row halves: two
   [4,4] pieces, each taken by a collective-permute (``ExchangePieces``), 128 B. A permute into
-  P('a',('c','b')) then a gather of 'a' moves 192 B, as XLA (768 B before round 31: 'a'
+  P('a',('c','b')) then a gather of 'a' moves 192 B, as XLA (768 B before that: 'a'
   gathered first, then the columns gathered whole and sliced)."""
   plan = no_more_than_xla(lambda x: x * 2, (randn(8, 16),), P("a", "b"), "a2b2c2",
                           P(None, ("c", "b")))
@@ -252,7 +252,7 @@ def test_add_of_conflicting_annotations():  # shardy op priorities: operands ann
 
 def test_while_swaps_sharded_carries():  # While, carries P('a') and P('b') swapped each trip
   """Each trip takes P('b')'s [2,8] blocks into P('a')'s [4,8] ones by two collective-permutes
-  (reshard.py's CollectBlocks, 128 B) and P('a')'s into P('b')'s by one (64 B): 192 B, where XLA
+  (reshard.py's ExchangePieces, 128 B) and P('a')'s into P('b')'s by one (64 B): 192 B, where XLA
   permutes and gathers pairs, 256 B (was 320 B: 'b' gathered whole and sliced)."""
   f = lambda x, y: lax.fori_loop(0, 3, lambda i, c: (jnp.sin(c[1]), c[0] * 2), (x, y))
   plan = no_more_than_xla(f, (randn(8, 8), randn(8, 8, seed=1)), (P("a"), P("b")), "a2b4",

@@ -43,7 +43,7 @@ def test_roll_traced_shift_two_dims_int32_3d_mesh():
 
 def test_reshard_drop_major_axis():  # XLA: permute + all-gather(a), 192 B
   """Each [8,4] block of P(None,'b') is two [8,2] blocks of P(None,('a','b')): two
-  collective-permutes of the old block (reshard.py's CollectBlocks), 128 B (was 192 B: a permute
+  collective-permutes of the old block (reshard.py's ExchangePieces), 128 B (was 192 B: a permute
   and a gather over 'a', as XLA; 512 B before that, gathered whole)."""
   plan = no_more_than_xla(lambda y: y * 2, (randn(8, 16),), P(None, ("a", "b")), "a2b4",
                           P(None, "b"))

@@ -264,7 +264,7 @@ def test_dynamic_slice_traced_two_dims_gathers_smaller_first():  # DynamicSlice,
 
 
 # Reshards whose new blocks lie inside the old ones: one collective-permute of the new block, as
-# XLA (reshard.py's TakeSubBlocks, taken for a value's sole reader; round 10, was gathered and
+# XLA (reshard.py's ExchangePieces, taken for a value's sole reader; round 10, was gathered and
 # sliced: 80, 256, 128, 192 and 256 B).
 def test_vector_matrix_contracting_axes_disagree():  # DotPartialContracting, v on a, m on b
   """v f32[16] P('a') @ m f32[16,8] P('b','a'): v's blocks over 'a' hold the blocks over 'b'
@@ -328,7 +328,7 @@ def test_reshape_merge_uneven_major_dim():  # ReshapeMergeDimsWithHaloExchange, 
 
 def test_reshard_to_coarser_blocks_on_other_axes():  # ReshardTiledTo, P('b') -> P('a')
   """Each new [8,4] block is two old [4,4] ones: two collective-permutes of the old block
-  (reshard.py's CollectBlocks), 128 B, where XLA permutes and gathers pairs, 192 B (was 256 B:
+  (reshard.py's ExchangePieces), 128 B, where XLA permutes and gathers pairs, 192 B (was 256 B:
   'b' gathered whole and sliced)."""
   plan = no_more_than_xla(lambda x: x * 2, (randn(16, 4),), P("b"), "a2b4", P("a"))
   assert plan.total_bytes == 128, plan.explain()

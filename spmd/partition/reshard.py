@@ -26,9 +26,8 @@ realigns its blocks to the kept ones by collective-permutes and gathers the rest
 and any other is gathered whole (padding dropped) and sliced again in one step (padded to n*S
 first). Axes that only trade dims, each dim keeping its number of blocks, may move in one
 collective-permute of whole blocks (``TradeBlocks``); dims whose new blocks each lie inside one
-old block, in one collective-permute of the new block (``TakeSubBlocks``, ``sub_blocks``); dims
-whose new blocks are several whole old ones, in one collective-permute per old block
-(``CollectBlocks``).
+old block or are several whole old ones (or both, along different dims) by collective-permutes
+of the pieces each device lacks (``ExchangePieces``, ``sub_blocks``).
 """
 from __future__ import annotations
 
@@ -304,117 +303,7 @@ class SwapAxes(ReshardStep):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TakeSubBlocks(ReshardStep):
-  """Dims change their axes so that each new block lies inside one old block (P('a') -> P('b')
-  on a 2x4 mesh; P('c', 'a') -> P(('a', 'b'), 'c') on a 2x2x2 mesh): every device slices one new
-  block out of its own and sends it to a device that needs it, each holder of a block serving
-  one such device (itself where it can), in one collective-permute of the new block, as XLA's
-  device permutation does. ``axes``: the mesh axes of the changing dims, in mesh order."""
-
-  kind: ClassVar[str] = "collective-permute"
-
-  def routes(self, mesh: MeshShape) -> tuple[list[tuple[int, int]], list[list[int]]]:
-    """(source, target) devices linearized in ``axes`` order, and per changing dim the new block
-    (numbered within its old block) each device sends."""
-    dims = _changed_dims(self.before, self.after)
-    ratios = [axes_size(self.after.dims[d], mesh) // axes_size(self.before.dims[d], mesh)
-              for d in dims]
-    holders: dict[tuple[int, ...], list[int]] = {}
-    needers: dict[tuple[int, ...], list[int]] = {}
-    wanted = []
-    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
-      coords = dict(zip(self.axes, idx))
-      holders.setdefault(tuple(_block(self.before.dims[d], coords, mesh) for d in dims),
-                         []).append(k)
-      wanted.append([_block(self.after.dims[d], coords, mesh) for d in dims])
-      needers.setdefault(tuple(b // r for b, r in zip(wanted[-1], ratios)), []).append(k)
-    pairs, sends = [], [[0] * len(wanted) for _ in dims]
-    for block, sources in holders.items():
-      targets = needers[block]
-      own = [k for k in sources if k in targets]
-      rest = zip([k for k in sources if k not in own], [k for k in targets if k not in own])
-      for src, dst in [(k, k) for k in own] + list(rest):
-        pairs.append((src, dst))
-        for i, r in enumerate(ratios):
-          sends[i][src] = wanted[dst][i] % r
-    return pairs, sends
-
-  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
-    """The new block, sliced and sent."""
-    out = list(self.after.local_shape(shape, mesh))
-    return out, out
-
-  def apply(self, x: jax.Array, shape: Shape, mesh: MeshShape) -> jax.Array:
-    return self.run(x, mesh)
-
-  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    pairs, sends = self.routes(mesh)
-    me = shard_index(self.axes)
-    for d, sent in zip(_changed_dims(self.before, self.after), sends):
-      size = x.shape[d] * axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d],
-                                                                            mesh)
-      x = lax.dynamic_slice_in_dim(x, jnp.asarray(sent, jnp.int32)[me] * size, size, d)
-    return permute(x, self.axes, pairs, mesh)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CollectBlocks(ReshardStep):
-  """Dims change their axes so that each new block is k whole old blocks (P('b') -> P('a') on a
-  2x4 mesh: two): k collective-permutes of the old block, in each of which every device receives
-  one of the old blocks its new block holds, each holder serving one device, and puts it in
-  place. XLA permutes devices and all-gathers pairs of blocks over groups no mesh axis names;
-  this moves the new block once (its ``bytes``), where XLA's permute moves an old block more.
-  ``axes``: the mesh axes of the changing dims, in mesh order."""
-
-  kind: ClassVar[str] = "collective-permute"
-
-  def ratios(self, mesh: MeshShape) -> tuple[list[int], list[int]]:
-    """The changing dims, and the old blocks per new block along each."""
-    dims = _changed_dims(self.before, self.after)
-    return dims, [axes_size(self.before.dims[d], mesh) // axes_size(self.after.dims[d], mesh)
-                  for d in dims]
-
-  def routes(self, mesh: MeshShape) -> list[tuple[list[tuple[int, int]], list[int]]]:
-    """Per permute, its (source, target) devices linearized in ``axes`` order and, per device,
-    which of its new block's old blocks (numbered over the changing dims, major first) it
-    receives: the i-th device needing a new block takes its ((i + r) % k)-th old block in permute
-    r from the (i // k)-th device holding that one."""
-    dims, ratios = self.ratios(mesh)
-    holders: dict[tuple[int, ...], list[int]] = {}
-    needers: dict[tuple[int, ...], list[int]] = {}
-    for k, idx in enumerate(itertools.product(*(range(mesh[a]) for a in self.axes))):
-      coords = dict(zip(self.axes, idx))
-      holders.setdefault(tuple(_block(self.before.dims[d], coords, mesh) for d in dims),
-                         []).append(k)
-      needers.setdefault(tuple(_block(self.after.dims[d], coords, mesh) for d in dims),
-                         []).append(k)
-    count = math.prod(ratios)
-    rounds = []
-    for r in range(count):
-      pairs, places = [], [0] * self.count(mesh)
-      for block, targets in needers.items():
-        for i, t in enumerate(targets):
-          places[t] = (i + r) % count
-          offsets = np.unravel_index(places[t], ratios)
-          old = tuple(b * q + o for b, q, o in zip(block, ratios, offsets))
-          pairs.append((holders[old][i // count], t))
-      rounds.append((pairs, places))
-    return rounds
-
-  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    dims, ratios = self.ratios(mesh)
-    me = shard_index(self.axes)
-    out = jnp.zeros([n * (ratios[dims.index(d)] if d in dims else 1)
-                     for d, n in enumerate(x.shape)], x.dtype)
-    for pairs, places in self.routes(mesh):
-      offsets = jnp.unravel_index(jnp.asarray(places, jnp.int32)[me], ratios)
-      starts = [offsets[dims.index(d)] * n if d in dims else 0 for d, n in enumerate(x.shape)]
-      out = lax.dynamic_update_slice(out, permute(x, self.axes, pairs, mesh), starts)
-    return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class PieceMove:
+class _PieceMove:
   """One move of a piece of each device's new block, per device (linearized in the step's
   ``axes``): where along the changing dims it starts in the old block it is cut from
   (``taken``) and in the new block (``placed``; None: the device places none in this move).
@@ -520,20 +409,21 @@ def _piece_transfers(before: TensorSharding, after: TensorSharding, axes: Axes,
 @functools.lru_cache(maxsize=64)
 def _piece_moves(before: TensorSharding, after: TensorSharding, axes: Axes,
                  block: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
-                 ) -> tuple[PieceMove, ...]:
-  """``ExchangePieces``'s moves: the local copies (as many as a device makes at most), then one
-  collective-permute per round of the other pieces (``rounds.into_rounds``)."""
+                 ) -> tuple[_PieceMove, ...]:
+  """``ExchangePieces``'s moves: the local copy (a device holds one of its pieces at most, each
+  lying in another old block), then one collective-permute per round of the other pieces
+  (``rounds.into_rounds``)."""
   transfers = _piece_transfers(before, after, axes, block, mesh_items)
   devices = math.prod(m for a, m in mesh_items if a in axes)
   width = len(_changed_dims(before, after))
-  local: list[_Transfer | None] = [None] * devices  # one at most: each piece is another block's
+  local: list[_Transfer | None] = [None] * devices
   for t in transfers:
     if t.source == t.target:
       local[t.target] = t
   sent = [t for t in transfers if t.source != t.target]
   moves = []
   if any(local):
-    moves.append(PieceMove(pairs=None, taken=tuple(t.taken if t else (0,) * width for t in local),
+    moves.append(_PieceMove(pairs=None, taken=tuple(t.taken if t else (0,) * width for t in local),
                            placed=tuple(t and t.placed for t in local)))
   colour = into_rounds([(t.source, t.target) for t in sent])
   for r in range(max(colour, default=-1) + 1):
@@ -541,9 +431,17 @@ def _piece_moves(before: TensorSharding, after: TensorSharding, axes: Axes,
     taken, placed = [(0,) * width] * devices, [None] * devices
     for t in these:
       taken[t.source], placed[t.target] = t.taken, t.placed
-    moves.append(PieceMove(pairs=tuple((t.source, t.target) for t in these), taken=tuple(taken),
+    moves.append(_PieceMove(pairs=tuple((t.source, t.target) for t in these), taken=tuple(taken),
                            placed=tuple(placed)))
   return tuple(moves)
+
+
+def _pieces(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+            mesh: MeshShape) -> tuple[ReshardStep]:
+  """``src`` -> ``dst`` as one ``ExchangePieces`` over the mesh axes of the changing dims."""
+  axes = _axes_of(src, dst, _changed_dims(src, dst), mesh)
+  return (ExchangePieces(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
+                         mesh=mesh),)
 
 
 def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
@@ -558,8 +456,7 @@ def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
   if not changed or any(shape[d] % b or shape[d] % a or max(b, a) % min(b, a)
                         for d, (b, a) in zip(changed, counts)):
     return None
-  step = ExchangePieces(axes=_axes_of(src, dst, changed, mesh), before=src, after=dst,
-                        shape=shape, itemsize=itemsize, mesh=mesh)
+  step, = _pieces(src, dst, shape, itemsize, mesh)
   route = plan_reshard(src, dst, shape, itemsize, mesh)
   mine = (step.sent(mesh), step.rounds(shape, mesh))
   return (step,) if mine < (sum(s.sent(mesh) for s in route),
@@ -568,7 +465,7 @@ def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
 
 def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` as one ``CollectBlocks`` where each changing dim's new blocks are whole
+  """``src`` -> ``dst`` as one ``ExchangePieces`` where each changing dim's new blocks are whole
   old ones (evenly split, fewer blocks after) and its axes are not merely a prefix kept (a
   gather of the rest moves as much); else None."""
   changed = _changed_dims(src, dst)
@@ -577,21 +474,20 @@ def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
          or axes_size(src.dims[d], mesh) == axes_size(dst.dims[d], mesh)
          or tuple(src.dims[d][:len(dst.dims[d])]) == tuple(dst.dims[d]) for d in changed):
     return None
-  axes = _axes_of(src, dst, changed, mesh)
-  return (CollectBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
-                        mesh=mesh),)
+  return _pieces(src, dst, shape, itemsize, mesh)
 
 
 def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                 mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` (after an all-reduce of partial sums ``dst`` does not keep) as one
-  ``TakeSubBlocks`` where that applies: some dim sharded before, and each new block inside one
-  old block of every changing dim (evenly split); else, where they apply, as the cheaper of a
-  swap of a dim's major axis before gathers (``_swapped_then_gathered``) and a collection of
-  whole old blocks (``CollectBlocks``); or as one of these into a form that still holds the
-  axes ``dst`` drops, then gathers (``_permuted_then_gathered``), where that is cheaper; else
-  None. Not among ``plan_reshard``'s options: these skip the forms a gather passes through,
-  which a value's other readers may reuse, so the schedule takes them only for a sole reader."""
+  """``src`` -> ``dst`` (after an all-reduce of partial sums ``dst`` does not keep) as the
+  cheapest of: ``_permuted`` (an ``ExchangePieces`` where every changing dim gets finer, else a
+  swap of a dim's major axis before gathers or a collection of whole old blocks);
+  ``_permuted_then_gathered`` (one of these into a form that still holds the axes ``dst``
+  drops, then gathers); ``_exchanged`` (an ``ExchangePieces`` wherever blocks nest, dims getting
+  finer and coarser at once included, if it sends less than ``plan_reshard``'s collectives);
+  None where none applies. Not among ``plan_reshard``'s options: these skip the forms a gather
+  passes through, which a value's other readers may reuse, so the schedule takes them only for
+  a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
   if summed.partial or dst.partial:
     return None
@@ -608,9 +504,9 @@ def _moved(steps: Sequence[ReshardStep]) -> int:
 
 def _permuted(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
               mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` (no partial sums) as one ``TakeSubBlocks``, or the cheaper of
-  ``_swapped_then_gathered`` and ``CollectBlocks`` (see ``sub_blocks``); None where none
-  applies."""
+  """``src`` -> ``dst`` (no partial sums) as one ``ExchangePieces`` of a piece per device, or
+  the cheaper of ``_swapped_then_gathered`` and ``_collected`` (see ``sub_blocks``); None where
+  none applies."""
   changed = _changed_dims(src, dst)
   if not any(src.dims[d] for d in changed):
     return None
@@ -620,9 +516,7 @@ def _permuted(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], it
                                    _collected(src, dst, shape, itemsize, mesh))
                if steps is not None]
     return min(options, key=_moved) if options else None
-  axes = _axes_of(src, dst, changed, mesh)
-  return (TakeSubBlocks(axes=axes, before=src, after=dst, shape=shape, itemsize=itemsize,
-                        mesh=mesh),)
+  return _pieces(src, dst, shape, itemsize, mesh)
 
 
 def _permuted_then_gathered(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],

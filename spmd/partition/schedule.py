@@ -168,7 +168,7 @@ class _Scheduler:
   def _best(self, v: Value, dst: TensorSharding, sole_reader: bool = False
             ) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
     """The form of ``v`` cheapest to reshard to ``dst`` from, and the steps; for ``v``'s sole
-    reader, ``TakeSubBlocks`` reshards from each form too (``_sub_blocks``)."""
+    reader, the reshards of ``reshard.sub_blocks`` from each form too (``_sub_blocks``)."""
     options = [(s, self.executions.reshard(v, s, dst)) for s in self.forms[v]]
     if sole_reader:
       options += self._sub_blocks(v, dst)
@@ -234,7 +234,7 @@ class _Scheduler:
 
   def _sub_blocks(self, v: Value, dst: TensorSharding
                   ) -> list[tuple[TensorSharding, tuple[ReshardStep, ...]]]:
-    """Each form of ``v`` with the ``TakeSubBlocks`` reshard from it to ``dst``, where one
+    """Each form of ``v`` with the ``reshard.sub_blocks`` reshard from it to ``dst``, where one
     applies."""
     options = [(s, self.executions.sub_blocks(v, s, dst)) for s in self.forms[v]]
     return [(s, steps) for s, steps in options if steps is not None]
@@ -242,7 +242,7 @@ class _Scheduler:
   def _sole_reader(self, v: Value, reader: Op | None) -> bool:
     """Whether ``reader`` (None: an output) reading ``v`` once is all that reads it by any of its
     names: annotations and repeated ops, which name it, aside. A reshard passing through no
-    other form (``TakeSubBlocks``) then leaves no other read the worse for it."""
+    other form (``reshard.sub_blocks``) then leaves no other read the worse for it."""
     names = self.names.get(v, (v,))
     readers = [op for n in names for op, _ in self.reads.get(n, ())
                if op not in self.annotations and op not in self.duplicates]
