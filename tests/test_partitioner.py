@@ -29,6 +29,19 @@ def _reshard(mesh, src, dst) -> spmd.Plan:
   return assert_partitioned_matches(_annotated(dst), (X,), src, mesh, rtol=TOL, atol=TOL)
 
 
+def _shared(dst):
+  """``_annotated`` with ``x * 2`` also returned: the value has another reader, so its reshard
+  takes only the forms that reader could reuse (``reshard.plan_reshard``), not a sole reader's
+  piece exchange."""
+  return lambda x: (lambda y: (spmd.annotate(y, dst) + 1, y))(x * 2)
+
+
+def _shared_xla(mesh, dst):
+  """``_shared`` for ``jax.jit``: the annotation a sharding constraint."""
+  return lambda x: (lambda y: (jax.lax.with_sharding_constraint(y, NamedSharding(mesh, dst)) + 1,
+                               y))(x * 2)
+
+
 def _compiled_kinds(fn, args, in_specs, mesh) -> list[str]:
   """The kinds of the compiled program's collective instructions, sorted (the plan's bytes per
   kind are checked by assert_partitioned_matches; this counts instructions)."""
@@ -58,14 +71,13 @@ def test_reshard_kinds_appear_in_hlo(mesh, src, dst, kind):
     ({"a": 2, "b": 2, "c": 2}, P(("a", "b"), "c"), P("b", ("c", "a"))),
 ])
 def test_a_major_axis_moving_to_another_dim_is_permute_then_all_to_all(axes, src, dst):
-  """The axis is made minor by reordering whole blocks, then moved: no gather (as XLA)."""
+  """The axis is made minor by reordering whole blocks, then moved: no gather (as XLA), for a
+  value with another reader (a sole reader takes pieces, ``test_a_sole_reader_takes_pieces``)."""
   m = spmd.make_mesh(axes)
-  plan = _reshard(m, src, dst)
+  plan = assert_partitioned_matches(_shared(dst), (X,), src, m, rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives] == ["collective-permute", "all-to-all"]
-  assert _compiled_kinds(_annotated(dst), (X,), src, m) == ["all-to-all", "collective-permute"]
-  xla = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(m, dst)) + 1,
-                in_shardings=NamedSharding(m, src))
-  assert plan.total_bytes <= collective_bytes(xla.lower(X).compile().as_text())
+  assert _compiled_kinds(_shared(dst), (X,), src, m) == ["all-to-all", "collective-permute"]
+  assert plan.total_bytes <= xla_bytes(_shared_xla(m, dst), (X,), src, m)
 
 
 @pytest.mark.parametrize("axes, src, dst, kinds", [
@@ -81,9 +93,30 @@ def test_axes_trading_dims_are_parked_not_gathered(axes, src, dst, kinds):
   all-to-alls; tests/test_xla_cases.py's axes_swap_between_dims). These were gathered and
   sliced: 5x the bytes on P('a', 'b') -> P(None, ('a', 'b')), where XLA moves as much as this."""
   m = spmd.make_mesh(axes)
-  plan = _reshard(m, src, dst)
+  plan = assert_partitioned_matches(_shared(dst), (X,), src, m, rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives] == kinds
   assert plan.total_bytes == len(kinds) * X.size * X.dtype.itemsize // 8
+
+
+@pytest.mark.parametrize("axes, src, dst", [
+    ({"data": 2, "model": 4}, P(("data", "model"), None), P("model", "data")),
+    ({"data": 2, "model": 4}, P(("model", "data"), None), P("data", "model")),
+    ({"a": 2, "b": 2, "c": 2}, P(("a", "b", "c"), None), P(("b", "c"), "a")),
+    ({"a": 2, "b": 2, "c": 2}, P(("a", "b"), "c"), P("b", ("c", "a"))),
+    ({"a": 2, "b": 4}, P("a", "b"), P(None, ("a", "b"))),
+    ({"a": 2, "b": 4}, P("a", "b"), P("b", "a")),
+    ({"a": 2, "b": 2, "c": 2}, P("a", ("b", "c")), P(("c", "b"), "a")),
+])
+def test_a_sole_reader_takes_pieces(axes, src, dst):
+  """The reshards above, read only by the annotation's reader: each device receives the pieces
+  of its new block it lacks by collective-permutes (reshard.py's ExchangePieces), 64 B, half of
+  the route through whole-block permutes and all-to-alls and of XLA's 128 B."""
+  m = spmd.make_mesh(axes)
+  plan = _reshard(m, src, dst)
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("collective-permute", 64)]
+  assert set(_compiled_kinds(_annotated(dst), (X,), src, m)) == {"collective-permute"}
+  xla = lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(m, dst)) + 1
+  assert 2 * plan.total_bytes == xla_bytes(xla, (X,), src, m)
 
 
 @pytest.mark.parametrize("rows", [13, 14])
