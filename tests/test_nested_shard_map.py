@@ -141,7 +141,7 @@ def test_out_specs_replicated_over_every_axis():
 def test_operands_are_resharded_to_the_in_specs():
   """An operand sharded otherwise is resharded to the in_specs first (priced as any reshard), on
   the row of the annotation pinning it: P(None, ('a','b')) -> P('a','b') of f32[8,16], each new
-  [4,4] block two [4,2] pieces of old blocks, by collective-permutes of the pieces, 64 B (128 B
+  [4,4] block two [4,2] pieces of old blocks, by two collective-permutes of a piece, 64 B (128 B
   before reshard.py's ExchangePieces: a permute and an all-to-all)."""
   def f(x):
     return smap(lambda b: lax.psum(b, "a"), P("a", "b"), P(None, "b"))(x)
@@ -150,7 +150,7 @@ def test_operands_are_resharded_to_the_in_specs():
   plan = assert_partitioned_matches(f, (x,), (P(None, ("a", "b")),), MESH)
   assert body_kinds(plan) == {"all-reduce": 4 * 4 * 4}
   assert [(c.kind, c.bytes, c.primitive) for c in reshards(plan)] == [
-      ("collective-permute", 64, "spmd_annotate")]
+      ("collective-permute", 32, "spmd_annotate")] * 2
 
 
 def test_between_auto_sharded_matmuls():

@@ -54,7 +54,7 @@ Shape = Sequence[int]
 class ReshardStep(abc.ABC):
   """One step on a tensor of global shape ``shape``: ``before`` → ``after`` over mesh ``axes``,
   acting on dim ``dim``. ``bytes`` is per device: what it ``moved`` at ``itemsize`` bytes per
-  element (0 for a step that does not communicate)."""
+  element, in ``collectives`` instructions (0 and 0 for a step that does not communicate)."""
 
   kind: ClassVar[str]
   communicates: ClassVar[bool] = True
@@ -63,6 +63,7 @@ class ReshardStep(abc.ABC):
   after: TensorSharding
   dim: int | None = None
   bytes: int = field(init=False)
+  collectives: int = field(init=False)
   shape: InitVar[Shape]
   itemsize: InitVar[int]
   mesh: InitVar[MeshShape]
@@ -70,6 +71,11 @@ class ReshardStep(abc.ABC):
   def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
     object.__setattr__(self, "bytes", self.moved(shape, mesh) * itemsize if self.communicates
                        else 0)
+    object.__setattr__(self, "collectives", self.rounds(shape, mesh) if self.communicates else 0)
+
+  def rounds(self, shape: Shape, mesh: MeshShape) -> int:
+    """The collectives a communicating step runs, each moving ``bytes / collectives``."""
+    return 1
 
   def moved(self, shape: Shape, mesh: MeshShape) -> int:
     """Elements the step moves per device: the larger of its ``buffers``."""
@@ -458,9 +464,8 @@ def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
     return None
   step, = _pieces(src, dst, shape, itemsize, mesh)
   route = plan_reshard(src, dst, shape, itemsize, mesh)
-  mine = (step.sent(mesh), step.rounds(shape, mesh))
-  return (step,) if mine < (sum(s.sent(mesh) for s in route),
-                            sum(s.communicates for s in route)) else None
+  return (step,) if (step.sent(mesh), step.collectives) < (
+      sum(s.sent(mesh) for s in route), sum(s.collectives for s in route)) else None
 
 
 def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
