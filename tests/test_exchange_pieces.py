@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import ints, no_more_than_xla, randn, rng
+import spmd
+from helpers import assert_partitioned_matches, ints, no_more_than_xla, randn, rng
 from test_xla_cases10 import A4B2
 from spmd.partition.reshard import ExchangePieces, sub_blocks
 from spmd.partition.rounds import into_rounds, rounds_needed
@@ -121,3 +122,23 @@ ABOVE_XLA_BEFORE = [
                          ids=[f"{s}-{d}-{n}" for _, n, s, d in ABOVE_XLA_BEFORE])
 def test_reshard_no_more_than_xla(mesh, shape, src, dst):
   no_more_than_xla(lambda x: x * 2, (randn(*shape),), src, mesh, dst)
+
+
+UNEVEN = [  # mesh, shape, src, dst, bytes before uneven pieces (gathered or realigned), after
+    (A4B2, (12, 5), P("b", "a"), P("a", "b"), 504, 120),
+    ("a2b4", (5, 6), P("a", "b"), P("b", "a"), 280, 120),
+    (A4B2, (12, 12, 8), P(("a", "b"), None, None), P("b", "a", None), 6144, 768),
+    ("a2b2c2", (3, 10, 6), P("b", None, "a"), P(None, "b", "c"), 480, 180),
+]
+
+
+@pytest.mark.parametrize("mesh, shape, src, dst, before, after", UNEVEN,
+                         ids=[f"{s}-{d}-{n}" for _, n, s, d, _, _ in UNEVEN])
+def test_uneven_blocks_in_pieces_of_their_common_divisor(mesh, shape, src, dst, before, after):
+  """An uneven dim's blocks are cut into pieces as long as the two block lengths' greatest common
+  divisor (blocks of 3 rows into blocks of 2: rows), none past the dim's end, where a new block
+  meets no more old blocks than it has pieces: values, plan == compiled HLO, and the bytes (the
+  annotation inside the program, as jax.jit refuses an uneven spec at its boundary)."""
+  plan = assert_partitioned_matches(lambda x: spmd.annotate(x * 2, dst) + 1,
+                                    (randn(*shape),), src, mesh)
+  assert plan.total_bytes == after < before, plan.explain()

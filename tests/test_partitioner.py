@@ -125,16 +125,22 @@ def test_a_sole_reader_takes_pieces(axes, src, dst):
 @pytest.mark.parametrize("rows", [13, 14])
 def test_a_major_axis_moving_out_of_an_uneven_dim_is_permute_then_all_to_all(mesh, rows):
   """Blocks of 2 rows over (data, model) regroup exactly into blocks of 4 over model, so data is
-  made minor by reordering whole (padded) blocks and moved, as XLA does."""
+  made minor by reordering whole (padded) blocks and moved, as XLA does, for a value with
+  another reader; a sole reader takes the pieces of its new block (reshard.py's
+  ExchangePieces), fewer bytes still."""
   src, dst = P(("data", "model"), None), P("model", "data")
   x = jnp.linspace(-1, 1, rows * 16, dtype=jnp.float32).reshape(rows, 16)
-  plan = assert_partitioned_matches(lambda x: _annotated(dst)(x).sum(0), (x,), src, mesh,
-                                    rtol=TOL, atol=TOL)
+  shared = lambda x: (lambda y: (spmd.annotate(y, dst) + 1).sum(0) + y.sum())(x * 2)
+  plan = assert_partitioned_matches(shared, (x,), src, mesh, rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives][:2] == ["collective-permute", "all-to-all"]
   assert "all-gather" not in {c.kind for c in plan.collectives}  # = the compiled program's
   pin = lambda s: lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))  # noqa
-  xla = jax.jit(lambda x: (pin(dst)(pin(src)(x) * 2) + 1).sum(0))
+  xla = jax.jit(lambda x: (lambda y: (pin(dst)(y) + 1).sum(0) + y.sum())(pin(src)(x) * 2))
   assert plan.total_bytes <= collective_bytes(xla.lower(x).compile().as_text())
+  sole = assert_partitioned_matches(lambda x: _annotated(dst)(x).sum(0), (x,), src, mesh,
+                                    rtol=TOL, atol=TOL)
+  assert "all-gather" not in {c.kind for c in sole.collectives}
+  assert sole.total_bytes < plan.total_bytes, sole.explain()
 
 
 def test_more_tiling_is_a_local_slice(mesh):

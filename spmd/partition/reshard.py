@@ -335,34 +335,45 @@ class _Transfer:
 class ExchangePieces(ReshardStep):
   """Dims change their axes so that along each the new blocks are whole old ones or lie inside
   one (P('a','b') -> P('b','a') of f32[8,8] on a 2x4 mesh: a new [2,4] block is two [2,2]
-  pieces of old blocks): each device builds its new block from the pieces of old blocks it
-  covers, copying those it holds and receiving the others by collective-permutes of one piece,
-  as many as the device that sends or receives the most needs (``rounds.py``); a piece held by
-  several devices comes from the least busy. XLA moves such axes through sub-axes, by an
-  all-to-all and a permute of whole blocks; this moves each missing piece once.
-  ``axes``: the mesh axes of the changing dims, in mesh order."""
+  pieces of old blocks), or, along an uneven dim, are cut into pieces as long as the two block
+  lengths' greatest common divisor (f32[12,4] P('a') -> P(('a','b')) on a 4x2 mesh: blocks of 3
+  rows into blocks of 2, pieces of a row; none past the dim's end): each device builds its new
+  block from the pieces of old blocks it covers, copying those it holds and receiving the
+  others by collective-permutes of one piece, as many as the device that sends or receives the
+  most needs (``rounds.py``); a piece held by several devices comes from the least busy. XLA
+  moves such axes through sub-axes, by an all-to-all and a permute of whole blocks; this moves
+  each missing piece once. ``axes``: the mesh axes of the changing dims, in mesh order;
+  ``extent``: the global shape."""
 
   kind: ClassVar[str] = "collective-permute"
+  extent: tuple[int, ...] = field(init=False)
+
+  def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
+    object.__setattr__(self, "extent", tuple(shape))
+    super().__post_init__(shape, itemsize, mesh)
+
+  def piece(self, mesh: MeshShape) -> list[int]:
+    """The pieces' shape: the longest that tiles both the old and the new block, per dim."""
+    return list(map(math.gcd, self.before.local_shape(self.extent, mesh),
+                    self.after.local_shape(self.extent, mesh)))
 
   def rounds(self, shape: Shape, mesh: MeshShape) -> int:
     """The collective-permutes the step runs."""
-    block = self.before.local_shape(shape, mesh)
     return rounds_needed([(t.source, t.target) for t in _piece_transfers(
-        self.before, self.after, self.axes, block, tuple(mesh.items())) if t.source != t.target])
+        self.before, self.after, self.axes, self.extent, tuple(mesh.items()))
+                          if t.source != t.target])
 
   def moved(self, shape: Shape, mesh: MeshShape) -> int:
     """A piece per round."""
-    return self.rounds(shape, mesh) * math.prod(map(min, self.before.local_shape(shape, mesh),
-                                                    self.after.local_shape(shape, mesh)))
+    return self.rounds(shape, mesh) * math.prod(self.piece(mesh))
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     dims = _changed_dims(self.before, self.after)
-    new = [n * self.before.shards(d, mesh) // self.after.shards(d, mesh)
-           for d, n in enumerate(x.shape)]
-    piece = list(map(min, x.shape, new))
+    piece = self.piece(mesh)
     me = shard_index(self.axes)
-    out = jnp.zeros(new, x.dtype)
-    for move in _piece_moves(self.before, self.after, self.axes, x.shape, tuple(mesh.items())):
+    out = jnp.zeros(self.after.local_shape(self.extent, mesh), x.dtype)
+    for move in _piece_moves(self.before, self.after, self.axes, self.extent,
+                             tuple(mesh.items())):
       part = lax.dynamic_slice(x, _starts(move.taken, dims, x.ndim, me), piece)
       if move.pairs is not None:
         part = permute(part, self.axes, list(move.pairs), mesh)
@@ -385,14 +396,16 @@ def _starts(table: Sequence[tuple[int, ...]], dims: Sequence[int], rank: int,
 
 @functools.lru_cache(maxsize=256)
 def _piece_transfers(before: TensorSharding, after: TensorSharding, axes: Axes,
-                     block: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
+                     shape: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
                      ) -> tuple[_Transfer, ...]:
-  """Every piece each device needs for ``ExchangePieces`` (old blocks of shape ``block``), from
-  itself where it holds the piece, else from the holder with the fewest pieces to send so far."""
+  """Every piece each device needs for ``ExchangePieces`` on a tensor of global ``shape``, from
+  itself where it holds the piece, else from the holder with the fewest pieces to send so far;
+  a piece starting past the end of an uneven dim is padding, needed by none."""
   mesh = dict(mesh_items)
   dims = _changed_dims(before, after)
-  old = [block[d] for d in dims]
-  new = [block[d] * before.shards(d, mesh) // after.shards(d, mesh) for d in dims]
+  sizes = [shape[d] for d in dims]
+  old = [before.local_shape(shape, mesh)[d] for d in dims]
+  new = [after.local_shape(shape, mesh)[d] for d in dims]
   coords = [dict(zip(axes, idx)) for idx in itertools.product(*(range(mesh[a]) for a in axes))]
   held = [tuple(_block(before.dims[d], c, mesh) for d in dims) for c in coords]
   holders: dict[tuple[int, ...], list[int]] = {}
@@ -402,8 +415,10 @@ def _piece_transfers(before: TensorSharding, after: TensorSharding, axes: Axes,
   out = []
   for k, c in enumerate(coords):
     first = [_block(after.dims[d], c, mesh) * n for d, n in zip(dims, new)]
-    for placed in itertools.product(*(range(0, n, min(n, o)) for n, o in zip(new, old))):
+    for placed in itertools.product(*(range(0, n, math.gcd(n, o)) for n, o in zip(new, old))):
       at = [f + p for f, p in zip(first, placed)]
+      if any(a >= n for a, n in zip(at, sizes)):
+        continue
       source = tuple(a // o for a, o in zip(at, old))
       sender = k if held[k] == source else min(holders[source], key=lambda h: load[h])
       load[sender] += sender != k
@@ -414,31 +429,32 @@ def _piece_transfers(before: TensorSharding, after: TensorSharding, axes: Axes,
 
 @functools.lru_cache(maxsize=64)
 def _piece_moves(before: TensorSharding, after: TensorSharding, axes: Axes,
-                 block: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
+                 shape: tuple[int, ...], mesh_items: tuple[tuple[str, int], ...]
                  ) -> tuple[_PieceMove, ...]:
-  """``ExchangePieces``'s moves: the local copy (a device holds one of its pieces at most, each
-  lying in another old block), then one collective-permute per round of the other pieces
+  """``ExchangePieces``'s moves: the local copies (as many as the device holding the most of its
+  pieces makes), then one collective-permute per round of the other pieces
   (``rounds.into_rounds``)."""
-  transfers = _piece_transfers(before, after, axes, block, mesh_items)
+  transfers = _piece_transfers(before, after, axes, shape, mesh_items)
   devices = math.prod(m for a, m in mesh_items if a in axes)
   width = len(_changed_dims(before, after))
-  local: list[_Transfer | None] = [None] * devices
+  local: list[list[_Transfer]] = [[] for _ in range(devices)]
   for t in transfers:
     if t.source == t.target:
-      local[t.target] = t
+      local[t.target].append(t)
   sent = [t for t in transfers if t.source != t.target]
   moves = []
-  if any(local):
-    moves.append(_PieceMove(pairs=None, taken=tuple(t.taken if t else (0,) * width for t in local),
-                           placed=tuple(t and t.placed for t in local)))
+  for i in range(max(map(len, local))):
+    mine = [own[i] if i < len(own) else None for own in local]
+    moves.append(_PieceMove(pairs=None, taken=tuple(t.taken if t else (0,) * width for t in mine),
+                            placed=tuple(t and t.placed for t in mine)))
   colour = into_rounds([(t.source, t.target) for t in sent])
   for r in range(max(colour, default=-1) + 1):
     these = [t for t, c in zip(sent, colour) if c == r]
     taken, placed = [(0,) * width] * devices, [None] * devices
     for t in these:
       taken[t.source], placed[t.target] = t.taken, t.placed
-    moves.append(_PieceMove(pairs=tuple((t.source, t.target) for t in these), taken=tuple(taken),
-                           placed=tuple(placed)))
+    moves.append(_PieceMove(pairs=tuple((t.source, t.target) for t in these),
+                            taken=tuple(taken), placed=tuple(placed)))
   return tuple(moves)
 
 
@@ -452,15 +468,16 @@ def _pieces(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], item
 
 def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
-  """``src`` -> ``dst`` (no partial sums) as one ``ExchangePieces`` where each changing dim
-  splits evenly before and after into blocks that nest (whole old ones or inside one), and it
-  sends fewer bytes than ``plan_reshard``'s collectives (``ReshardStep.sent``: their HLO buffers
-  overstate what a gather or an all-to-all sends), or as many in fewer collectives (each round
-  costs a collective's latency); else None."""
+  """``src`` -> ``dst`` (no partial sums) as one ``ExchangePieces`` where along each changing dim
+  a new block is cut into no more pieces than the old blocks it can meet (blocks that nest, or
+  uneven ones whose lengths share a long enough divisor), and it sends fewer bytes than
+  ``plan_reshard``'s collectives (``ReshardStep.sent``: their HLO buffers overstate what a
+  gather or an all-to-all sends), or as many in fewer collectives (each round costs a
+  collective's latency); else None."""
   changed = _changed_dims(src, dst)
-  counts = [(src.shards(d, mesh), dst.shards(d, mesh)) for d in changed]
-  if not changed or any(shape[d] % b or shape[d] % a or max(b, a) % min(b, a)
-                        for d, (b, a) in zip(changed, counts)):
+  old, new = src.local_shape(shape, mesh), dst.local_shape(shape, mesh)
+  if not changed or any(new[d] // math.gcd(new[d], old[d]) > -(-new[d] // old[d]) + 1
+                        for d in changed):
     return None
   step, = _pieces(src, dst, shape, itemsize, mesh)
   route = plan_reshard(src, dst, shape, itemsize, mesh)
