@@ -69,9 +69,10 @@ class ReshardStep(abc.ABC):
   mesh: InitVar[MeshShape]
 
   def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
+    # collectives first: what a step moves may be a piece per round
+    object.__setattr__(self, "collectives", self.rounds(shape, mesh) if self.communicates else 0)
     object.__setattr__(self, "bytes", self.moved(shape, mesh) * itemsize if self.communicates
                        else 0)
-    object.__setattr__(self, "collectives", self.rounds(shape, mesh) if self.communicates else 0)
 
   def rounds(self, shape: Shape, mesh: MeshShape) -> int:
     """The collectives a communicating step runs, each moving ``bytes / collectives``."""
@@ -364,8 +365,8 @@ class ExchangePieces(ReshardStep):
                           if t.source != t.target])
 
   def moved(self, shape: Shape, mesh: MeshShape) -> int:
-    """A piece per round."""
-    return self.rounds(shape, mesh) * math.prod(self.piece(mesh))
+    """A piece per round (``collectives``, set first)."""
+    return self.collectives * math.prod(self.piece(mesh))
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     dims = _changed_dims(self.before, self.after)
