@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from helpers import assert_partitioned_matches, ints, no_more_than_xla, randn, rng
 from test_xla_cases10 import A4B2
-from spmd.partition.reshard import ExchangePieces, sub_blocks
+from spmd.partition.reshard import ExchangePieces, plan_reshard, sub_blocks
 from spmd.partition.rounds import into_rounds, rounds_needed
 from spmd.partition.sharding import TensorSharding
 
@@ -45,8 +45,8 @@ def test_rows_of_two_axes_into_columns_of_another_pair_3d():
                           P(None, ("b", "c")))
   assert plan.total_bytes == 96, plan.explain()
   mesh = {"a": 2, "b": 2, "c": 2}
-  steps = sub_blocks(TensorSharding((("b", "a"), ())), TensorSharding(((), ("b", "c"))),
-                     (16, 8), 4, mesh)
+  src, dst = TensorSharding((("b", "a"), ())), TensorSharding(((), ("b", "c")))
+  steps = sub_blocks(src, dst, (16, 8), 4, mesh, plan_reshard(src, dst, (16, 8), 4, mesh))
   assert [type(s) for s in steps] == [ExchangePieces]
   assert steps[0].rounds((16, 8), mesh) == 3
 

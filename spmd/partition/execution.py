@@ -106,8 +106,10 @@ class ExecutionPlanner:
 
   def sub_blocks(self, v: Value, src: TensorSharding, dst: TensorSharding
                  ) -> tuple[ReshardStep, ...] | None:
-    """``reshard.sub_blocks`` for ``v`` (None where it does not apply)."""
-    return sub_blocks(src, dst, v.shape, self.wire(v.dtype), self.mesh)
+    """``reshard.sub_blocks`` for ``v`` (None where it does not apply), against the route
+    ``reshard`` plans."""
+    return sub_blocks(src, dst, v.shape, self.wire(v.dtype), self.mesh,
+                      self.reshard(v, src, dst))
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding], price: Price,
            summed_with: Callable[[Value], int] = lambda v: 1) -> Execution:

@@ -471,19 +471,23 @@ def _exchanged(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` (no partial sums) as one ``ExchangePieces`` where along each changing dim
   a new block is cut into no more pieces than the old blocks it can meet (blocks that nest, or
-  uneven ones whose lengths share a long enough divisor), and it sends fewer bytes than
-  ``plan_reshard``'s collectives (``ReshardStep.sent``: their HLO buffers overstate what a
-  gather or an all-to-all sends), or as many in fewer collectives (each round costs a
-  collective's latency); else None."""
+  uneven ones whose lengths share a long enough divisor); else None."""
   changed = _changed_dims(src, dst)
   old, new = src.local_shape(shape, mesh), dst.local_shape(shape, mesh)
   if not changed or any(new[d] // math.gcd(new[d], old[d]) > -(-new[d] // old[d]) + 1
                         for d in changed):
     return None
-  step, = _pieces(src, dst, shape, itemsize, mesh)
-  route = plan_reshard(src, dst, shape, itemsize, mesh)
-  return (step,) if (step.sent(mesh), step.collectives) < (
-      sum(s.sent(mesh) for s in route), sum(s.collectives for s in route)) else None
+  return _pieces(src, dst, shape, itemsize, mesh)
+
+
+def _cheaper(steps: Sequence[ReshardStep], route: Sequence[ReshardStep], mesh: MeshShape
+             ) -> bool:
+  """Whether ``steps`` send fewer bytes than ``route`` (``ReshardStep.sent``: a gather's or an
+  all-to-all's HLO buffer overstates what it sends), or as many in fewer collectives (each
+  costs a collective's latency)."""
+  def cost(steps: Sequence[ReshardStep]) -> tuple[int, int]:
+    return sum(s.sent(mesh) for s in steps), sum(s.collectives for s in steps)
+  return cost(steps) < cost(route)
 
 
 def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
@@ -501,24 +505,27 @@ def _collected(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], i
 
 
 def sub_blocks(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
-                mesh: MeshShape) -> tuple[ReshardStep, ...] | None:
+               mesh: MeshShape, route: Sequence[ReshardStep]) -> tuple[ReshardStep, ...] | None:
   """``src`` -> ``dst`` (after an all-reduce of partial sums ``dst`` does not keep) as the
   cheapest of: ``_permuted`` (an ``ExchangePieces`` where every changing dim gets finer, else a
   swap of a dim's major axis before gathers or a collection of whole old blocks);
   ``_permuted_then_gathered`` (one of these into a form that still holds the axes ``dst``
   drops, then gathers); ``_exchanged`` (an ``ExchangePieces`` wherever blocks nest, dims getting
-  finer and coarser at once included, if it sends less than ``plan_reshard``'s collectives);
+  finer and coarser at once included, if ``_cheaper`` than ``route``, ``plan_reshard``'s steps);
   None where none applies. Not among ``plan_reshard``'s options: these skip the forms a gather
   passes through, which a value's other readers may reuse, so the schedule takes them only for
   a sole reader."""
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)
   if summed.partial or dst.partial:
     return None
-  options = [steps for steps in (_permuted(summed, dst, shape, itemsize, mesh),
-                                 _permuted_then_gathered(summed, dst, shape, itemsize, mesh),
-                                 _exchanged(summed, dst, shape, itemsize, mesh))
+  exchanged = _exchanged(summed, dst, shape, itemsize, mesh)
+  options = [reduced + steps for steps in (_permuted(summed, dst, shape, itemsize, mesh),
+                                           _permuted_then_gathered(summed, dst, shape, itemsize,
+                                                                   mesh))
              if steps is not None]
-  return reduced + min(options, key=_moved) if options else None
+  if exchanged is not None and _cheaper(reduced + exchanged, route, mesh):
+    options.append(reduced + exchanged)
+  return min(options, key=_moved) if options else None
 
 
 def _moved(steps: Sequence[ReshardStep]) -> int:
