@@ -23,7 +23,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -87,14 +86,15 @@ def test_reverse_after_pad_sharded_dim():  # ReverseAlongPartitionedDimension of
   no_more_than_xla(f, (randn(8, 4),), P("a", "b"), "a2b4")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "concatenate of f32[8,4] x P('a','b') and y P('b','a') along dim 1 on a 2x2 mesh, output "
-    "open (replicated, as jax.jit's): spmd gathers each operand whole (two all-gathers each), "
-    "384 B; XLA reshards y to x's tiling (96 B), concatenates sharded and gathers the result "
-    "once (256 B), 352 B"))
 def test_concatenate_operands_transposed_tilings_open_output():  # ConcatenateAlongNonPartitioned
+  """f32[8,4] x P('a','b') and y P('b','a') concatenated along dim 1 on 2x2, output open
+  (replicated, as jax.jit's): each operand gathered whole in one all-gather over both axes
+  (reshard.py's GatherDims), 256 B; XLA reshards y to x's tiling (96 B), concatenates and
+  gathers the result (256 B), 352 B (was 384 B: two all-gathers per operand)."""
   f = lambda x, y: jnp.concatenate([x, y], 1)
-  no_more_than_xla(f, (randn(8, 4), randn(8, 4, seed=1)), (P("a", "b"), P("b", "a")), A2B2)
+  plan = no_more_than_xla(f, (randn(8, 4), randn(8, 4, seed=1)), (P("a", "b"), P("b", "a")),
+                          A2B2)
+  assert plan.total_bytes == 256, plan.explain()
 
 
 # --- Transpose, reshape ------------------------------------------------------------------------
