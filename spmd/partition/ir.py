@@ -304,9 +304,11 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
-  so is an ``abs`` of a value that cannot be negative, an ``x + 0`` or ``x * 1`` (and ``x - 0``,
-  ``x / 1``), and a chain of reshapes in effect that gives
-  a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
+  so is an ``abs`` of a value that cannot be negative, an ``x * 1`` (or ``x / 1``), a chain of
+  adds, subtracts and negations of scalar literals that comes back to its start (``x + 2 - 2``,
+  ``3 - (3 - x)``; any other such chain is keyed by where it ends, ``(x + 1) + 2`` as ``x + 3``:
+  XLA's simplifier folds the literals, for floats too), and a chain of reshapes in effect that
+  gives a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
   reshape, then to nothing). Ops computing only from iotas and literals are not merged: they need
   no data, so each use may take them in its own sharding at no cost (XLA merges them only after
   partitioning; cse.py merges those that end up in one sharding); a select between two equal
@@ -315,6 +317,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   equal: dict[Value, Value] = {}  # a value computed from iotas and literals -> the first equal one
   makers: dict[Value, Op] = {}
   relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
+  shifted: dict[Value, _Affine] = {}  # a value made from another by literal adds and negations
   seen: dict[tuple, Op] = {}
   kept: list[Op] = []
   sub = lambda a: alias.get(a, a) if isinstance(a, Value) else a  # noqa: E731
@@ -324,9 +327,14 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
     same = (_only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
             or _identity_arithmetic(op, makers))
+    affine = _affine(op, makers, shifted)
+    if affine is not None and affine.is_identity():
+      same = affine.base
     if same is not None:
       alias[op.outputs[0]] = same
       continue
+    if affine is not None:
+      shifted[op.outputs[0]] = affine
     if _reshapes_in_effect(op):
       source, result = op.inputs[0], op.outputs[0]
       source = relaid.get(source, source)
@@ -334,7 +342,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
         alias[result] = source
         continue
       relaid[result] = source
-    key = _full_reduction_key(op, relaid) or cse_key(op)
+    key = _full_reduction_key(op, relaid) or (affine and affine.key()) or cse_key(op)
     if key is not None and not op.regions and all(
         not isinstance(a, Value) or a in equal for a in op.inputs):
       first = seen.setdefault(cse_key(op, equal.__getitem__), op)
@@ -431,21 +439,70 @@ def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
 
 # Binary ops that give back an operand when the other is a scalar literal: primitive -> (the
 # literal's positions, its value). XLA's simplifier folds them (A + 0, A - 0, A * 1, A / 1).
-_IDENTITY_LITERALS: dict[str, tuple[tuple[int, ...], int]] = {
-    "add": ((0, 1), 0), "sub": ((1,), 0), "mul": ((0, 1), 1), "div": ((1,), 1)}
+_IDENTITY_LITERALS: dict[str, tuple[tuple[int, ...], int]] = {"mul": ((0, 1), 1),
+                                                                "div": ((1,), 1)}
 
 
 def _identity_arithmetic(op: Op, makers: Mapping[Value, Op]) -> Value | None:
-  """The operand ``x`` of ``x + 0``, ``0 + x``, ``x - 0``, ``x * 1``, ``1 * x`` or ``x / 1`` (a
-  scalar literal or a broadcast of one, as ``jax.grad`` seeds a sum's cotangent; the result typed
-  as ``x``), else None: XLA's algebraic simplifier drops such an op, so collectives on either
-  side of it merge in the compiled program."""
+  """The operand ``x`` of ``x * 1``, ``1 * x`` or ``x / 1`` (a scalar literal or a broadcast of
+  one, as ``jax.grad`` seeds a sum's cotangent; the result typed as ``x``), else None: XLA's
+  algebraic simplifier drops such an op, so collectives on either side of it merge in the
+  compiled program (``_affine`` does ``x + 0``)."""
   places, value = _IDENTITY_LITERALS.get(op.primitive, ((), None))
   for k in places:
     literal, x = _scalar_literal(op.inputs[k], makers), op.inputs[1 - k]
     if (literal is not None and isinstance(x, Value) and _typed_alike(x, op.outputs[0])
         and literal.val == value):
       return x
+  return None
+
+
+@dataclass(frozen=True)
+class _Affine:
+  """A value that is ``sign * base + offset``, made from ``base`` by adds and subtracts of scalar
+  literals and negations (``offset``: a NumPy scalar of the value's dtype)."""
+
+  base: Value
+  sign: int
+  offset: Any
+
+  def is_identity(self) -> bool:
+    return self.sign == 1 and self.offset == 0
+
+  def key(self) -> tuple:
+    """One key for every chain ending at this form: XLA's simplifier folds each to one op."""
+    return "affine", self.base.id, self.sign, self.offset.dtype.name, self.offset.item()
+
+
+def _affine(op: Op, makers: Mapping[Value, Op], shifted: Mapping[Value, _Affine]
+            ) -> _Affine | None:
+  """The form of ``op``'s result if it is an add or subtract of a scalar literal (or a broadcast
+  of one) and a value of its type, or a negation, of an integer or float dtype; else None.
+  ``shifted`` holds the forms of earlier results, so a chain's literals add up (in the dtype, as
+  XLA folds them: an integer's wrap)."""
+  out = op.outputs[0] if len(op.outputs) == 1 else None
+  if (op.primitive not in ("add", "sub", "neg") or out is None
+      or not jnp.issubdtype(out.dtype, jnp.integer) and not jnp.issubdtype(out.dtype, jnp.floating)):
+    return None
+
+  def form(a: Atom) -> _Affine | None:
+    if not isinstance(a, Value) or not _typed_alike(a, out):
+      return None
+    return shifted.get(a, _Affine(a, 1, np.zeros((), out.dtype)[()]))
+
+  with np.errstate(over="ignore"):
+    if op.primitive == "neg":
+      x = form(op.inputs[0])
+      return None if x is None else _Affine(x.base, -x.sign, -x.offset)
+    for k in (0, 1):
+      literal, x = _scalar_literal(op.inputs[1 - k], makers), form(op.inputs[k])
+      if literal is None or x is None:
+        continue
+      c = np.asarray(literal.val).astype(out.dtype)[()]
+      if op.primitive == "add":
+        return _Affine(x.base, x.sign, x.offset + c)
+      return (_Affine(x.base, x.sign, x.offset - c) if k == 0
+              else _Affine(x.base, -x.sign, c - x.offset))
   return None
 
 
