@@ -482,7 +482,7 @@ def _affine(op: Op, makers: Mapping[Value, Op], shifted: Mapping[Value, _Affine]
   XLA folds them: an integer's wrap)."""
   out = op.outputs[0] if len(op.outputs) == 1 else None
   if (op.primitive not in ("add", "sub", "neg") or out is None
-      or not jnp.issubdtype(out.dtype, jnp.integer) and not jnp.issubdtype(out.dtype, jnp.floating)):
+      or not any(jnp.issubdtype(out.dtype, kind) for kind in (jnp.integer, jnp.floating))):
     return None
 
   def form(a: Atom) -> _Affine | None:
