@@ -167,6 +167,36 @@ class AllGather(ReshardStep):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScatterDims(ReshardStep):
+  """Reduce-scatters into several dims as one collective over ``axes`` (all of them, in mesh
+  order): each dim's new blocks are stacked in its axes' order, one per device, then reduced and
+  scattered. Where ``ReduceScatter``s into one dim after another reduce a buffer each (f32[8,8]
+  partial over ('a','b') -> P('a','b'): 256 B then 128 B), this reduces the first one's (256 B)
+  once, sending (k-1)/k of it as one all-reduce would send twice that."""
+
+  kind: ClassVar[str] = "reduce-scatter"
+
+  def added(self, d: int) -> Axes:
+    """The axes dim ``d`` gains, major first."""
+    return self.after.dims[d][len(self.before.dims[d]):]
+
+  def buffers(self, shape: Shape, mesh: MeshShape) -> tuple[list[int], list[int]]:
+    _, out = super().buffers(shape, mesh)
+    return [n * axes_size(self.added(d), mesh) for d, n in enumerate(out)], out
+
+  def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
+    out = [n // axes_size(self.added(d), mesh) for d, n in enumerate(x.shape)]
+    split = [k for d, n in enumerate(out) for k in [mesh[a] for a in self.added(d)] + [n]]
+    first = list(itertools.accumulate((len(self.added(d)) + 1 for d in range(len(out))),
+                                      initial=0))  # each dim's first place in ``split``
+    dim_of = {a: d for d in range(len(out)) for a in self.added(d)}
+    order = ([first[dim_of[a]] + self.added(dim_of[a]).index(a) for a in self.axes]
+             + [first[d] + len(self.added(d)) for d in range(len(out))])
+    stacked = x.reshape(split).transpose(order).reshape([-1] + out)
+    return lax.psum_scatter(stacked, self.axes, scatter_dimension=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatherDims(ReshardStep):
   """All-gathers of several dims' minor axes as one collective over ``axes`` (all of them, in
   mesh order): the blocks arrive stacked, and each dim's are laid end to end in its axes'
@@ -193,17 +223,23 @@ class GatherDims(ReshardStep):
         [n * axes_size(self.gathered(d), mesh) for d, n in enumerate(x.shape)])
 
 
-def _fused_gathers(steps: Sequence[ReshardStep], shape: Sequence[int], itemsize: int,
-                   mesh: MeshShape) -> tuple[ReshardStep, ...]:
-  """``steps`` with each run of ``AllGather``s of distinct dims as one ``GatherDims``."""
+_FUSED: dict[type[ReshardStep], type[ReshardStep]] = {AllGather: GatherDims,
+                                                      ReduceScatter: ScatterDims}
+
+
+def _fused(steps: Sequence[ReshardStep], shape: Sequence[int], itemsize: int,
+           mesh: MeshShape) -> tuple[ReshardStep, ...]:
+  """``steps`` with each run of ``AllGather``s (``ReduceScatter``s) of distinct dims as one
+  ``GatherDims`` (``ScatterDims``)."""
   out: list[ReshardStep] = []
   for step in steps:
     last = out[-1] if out else None
-    if (isinstance(step, AllGather) and isinstance(last, (AllGather, GatherDims))
+    fused = _FUSED.get(type(step))
+    if (fused is not None and type(last) in (type(step), fused)
         and step.before.dims[step.dim] == last.before.dims[step.dim]):
-      out[-1] = GatherDims(axes=tuple(a for a in mesh if a in last.axes or a in step.axes),
-                           before=last.before, after=step.after, shape=shape,
-                           itemsize=itemsize, mesh=mesh)
+      out[-1] = fused(axes=tuple(a for a in mesh if a in last.axes or a in step.axes),
+                      before=last.before, after=step.after, shape=shape, itemsize=itemsize,
+                      mesh=mesh)
     else:
       out.append(step)
   return tuple(out)
@@ -794,14 +830,16 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   if any(isinstance(s, (AllGather, GatherDims)) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)  # reduced first, then traded
-  if reduced and any(isinstance(s, ReduceScatter) for s in options[0]):  # one all-reduce over
-    # all the axes may move less than a reduce-scatter over some and an all-reduce of the rest
+  if reduced and any(isinstance(s, (ReduceScatter, ScatterDims)) for s in options[0]):
+    # one all-reduce over all the axes may move less than a reduce-scatter over some and an
+    # all-reduce of the rest
     options.append(reduced + _plan_reshard(summed, dst, shape, itemsize, mesh, park=False))
   for mid in _trades_before_gathers(summed, dst, mesh):
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
       options.append(reduced + traded + _plan_reshard(mid, dst, shape, itemsize, mesh, park=False))
-  return min(options, key=lambda steps: sum(s.bytes for s in steps))
+  return min(options, key=lambda steps: (sum(s.bytes for s in steps),
+                                         sum(s.sent(mesh) for s in steps)))
 
 
 def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
@@ -971,7 +1009,7 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
       emit(DynamicSlice, list(want), lambda d=d, want=want: dims[d].extend(want), dim=d)
   if cur() != dst:
     raise AssertionError(f"reshard {src} -> {dst} of {tuple(shape)} stopped at {cur()}")
-  return _fused_gathers(steps, shape, itemsize, mesh)
+  return _fused(steps, shape, itemsize, mesh)
 
 
 def _park(dims: list[list[str]], target: Sequence[Sequence[str]], shape: Sequence[int],

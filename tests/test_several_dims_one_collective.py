@@ -1,7 +1,8 @@
-"""Gathers of several dims at once (reshard.py's ``GatherDims``): one all-gather over all their
-axes, its blocks laid out per dim, where XLA gathers dim by dim. Values, plan == compiled HLO and
-bytes against XLA's partitioner, for axes in and out of mesh order, dims that keep a major axis,
-uneven dims, three dims, integer and bfloat16 values, partial sums and a gradient."""
+"""Gathers and reduce-scatters of several dims at once (reshard.py's ``GatherDims`` and
+``ScatterDims``): one collective over all their axes, its blocks laid out per dim, where XLA
+gathers dim by dim and all-reduces partial sums that two dims split. Values, plan == compiled
+HLO and bytes against XLA's partitioner, for axes in and out of mesh order, dims that keep a
+major axis, uneven dims, three dims, integer and bfloat16 values, partial sums and a gradient."""
 from __future__ import annotations
 
 import jax
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import ints, no_more_than_xla, randn
+from helpers import assert_partitioned_matches, ints, no_more_than_xla, randn
 from test_xla_cases10 import A2B2, A4B2
-from spmd.partition.reshard import AllGather, GatherDims, plan_reshard
+from spmd.partition.reshard import AllGather, GatherDims, ScatterDims, plan_reshard
 from spmd.partition.sharding import TensorSharding
 
 BF16 = jnp.bfloat16
@@ -68,3 +69,47 @@ def test_gradient_of_a_replicated_output():
     return jax.grad(lambda w: jnp.sum(jnp.tanh(w * x) ** 2))(w), w * 3
   no_more_than_xla(f, (randn(8, 8), randn(8, 8, seed=1)), (P("a", "b"), P("a", "b")), "a2b4",
                    (P("a", "b"), P()), rtol=1e-5, atol=1e-6)
+
+
+SCATTERS = [  # mesh, x spec, w spec, out spec, bytes per device (XLA's)
+    ("a2b2c2", P(None, ("a", "b")), P(("a", "b"), None), P("a", "b"), 256),  # 512
+    ("a2b2c2", P(None, ("a", "b")), P(("a", "b"), None), P("b", "a"), 256),  # 512
+    ("a2b2c2", P(None, ("a", "b", "c")), P(("a", "b", "c"), None), P(("c", "a"), "b"), 256),
+    ("a2b2c2", P("c", ("a", "b")), P(("a", "b"), None), P(("c", "b"), "a"), 128),
+    (A4B2, P(None, ("a", "b")), P(("a", "b"), None), P("b", "a"), 256),
+]
+
+
+@pytest.mark.parametrize("mesh,x_spec,w_spec,out,want", SCATTERS)
+def test_partial_sums_scattered_into_two_dims_in_one_reduce_scatter(mesh, x_spec, w_spec, out,
+                                                                    want):
+  """A dot contracting a dim sharded over several axes, its result asked for split over two
+  dims by those axes: one reduce-scatter of the partial [8,8] block, where scattering dim by
+  dim reduces 256 + 128 B and an all-reduce (XLA's choice) sends twice as much."""
+  plan = no_more_than_xla(lambda x, w: x @ w, (randn(8, 8), randn(8, 8, seed=1)),
+                          (x_spec, w_spec), mesh, out, rtol=1e-5, atol=1e-5)
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("reduce-scatter", want)], \
+      plan.explain()
+
+
+def test_consecutive_reduce_scatters_of_distinct_dims_fuse():
+  """Partial sums over ('a','b') of f32[8,8] into P('b','a') on 2x2x2: one collective over
+  ('a','b') reducing the whole [8,8] block, a [4,4] block kept."""
+  mesh = {"a": 2, "b": 2, "c": 2}
+  src = TensorSharding(((), ()), ("a", "b"))
+  step, = plan_reshard(src, TensorSharding((("b",), ("a",))), (8, 8), 4, mesh)
+  assert isinstance(step, ScatterDims) and step.axes == ("a", "b")
+  assert (step.bytes, step.sent(mesh)) == (256, 192)
+
+
+
+def test_uneven_dims_all_reduced_rather_than_scattered_padded():
+  """f32[6,10] partial sums over ('a','b') on 2x4 into P('a','b'): dim 1 splits into 4 blocks
+  of 3, the last padded, so a reduce-scatter would reduce a [6,12] buffer (288 B) where an
+  all-reduce of the [6,10] block reduces 240 B and each device slices its block (jax.jit takes
+  no uneven out_spec to compare bytes with)."""
+  f = lambda x, w: x @ w
+  plan = assert_partitioned_matches(f, (randn(6, 8), randn(8, 10, seed=1)),
+                                    (P(None, ("a", "b")), P(("a", "b"), None)), "a2b4",
+                                    P("a", "b"), rtol=1e-5, atol=1e-5)
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("all-reduce", 240)], plan.explain()
