@@ -469,3 +469,24 @@ def test_literal_chains_fold_as_xla_folds_them(chain, dtype):
   x = np.arange(1, 9).astype(dtype)
   f = lambda x: (jnp.sort(chain(x)), jnp.sort(x), jnp.sort(x + np.asarray(3, dtype)))
   assert_partitioned_matches(f, (x,), (P("a"),), "a2b4")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "plan 48 B of collective-permutes, compiled 36 B: the pieces of x int32[4,1,1] P(('b','c')) "
+    "that two concatenates exchange, one of x and one of its transpose moving only size-1 dims "
+    "(the same [1,1,1] block), are permuted between the same devices, and XLA's CSE merges those "
+    "permutes; spmd's schedule shares reshards per value (and its aliases), not per local buffer "
+    "(Known gaps)"))
+def test_piece_exchanges_of_two_views_of_one_block_that_xla_merges():
+  """Found by the thorough profile (seed 30, on bc072bf; also on acc34fa): a concatenate of
+  ``[y, x, x]`` and one of ``[x.T, x.T]`` with their results over ('b','c') build their blocks
+  from pieces of x's blocks; the permutes the two ops share are merged in the compiled
+  program."""
+  def f(y, x):
+    t = x.transpose(1, 0, 2)
+    return jnp.concatenate([y, x, x]), jnp.concatenate([t, t], 1)
+
+  r = np.random.default_rng(0)
+  y, x = (jnp.asarray(r.integers(-3, 4, (n, 1, 1), dtype=np.int32)) for n in (8, 4))
+  assert_partitioned_matches(f, (y, x), (P(("b", "c")), P(("b", "c"))), "a2b2c2",
+                             (P(("b", "c")), P(None, ("b", "c"))))
