@@ -12,6 +12,8 @@ axes that trade dims (P('a', 'b') -> P('b', 'a')) may instead be parked in the d
 wants them, behind axes that leave it later, where that moves less than gathering them; axes to
 drop are all-gathered (a dim keeping axes behind the ones it drops reorders them first by a
 collective-permute, where that moves less); finally the remaining axes are sliced locally.
+Gathers (reduce-scatters) of distinct dims that follow one another run as one collective over
+all their axes (``GatherDims``, ``ScatterDims``).
 
 Each step kind is one record that prices itself and carries itself out: ``buffers`` names the
 per-device input and output buffers of its collective (padding included), ``bytes`` is the
@@ -977,9 +979,9 @@ def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int]
     if not moved and park:
       moved = _park(dims, target, shape, mesh, emit)
   reorder()
-  # 5. All-gather the axes a dim must lose (minor first, one collective per dim; the dims whose
-  # gathers grow the array least first, so that each gather's result is the smallest it can be,
-  # as XLA orders them); kept axes behind lost ones are first made major by a
+  # 5. All-gather the axes a dim must lose (minor first, one step per dim, the dims whose
+  # gathers grow the array least first, as XLA orders them; ``_fused`` then makes gathers in a
+  # row one collective); kept axes behind lost ones are first made major by a
   # collective-permute where that moves less.
   def growth(d: int) -> int:
     return count(dims[d]) // count([a for a in dims[d] if a in target[d]])
