@@ -490,3 +490,19 @@ def test_piece_exchanges_of_two_views_of_one_block_that_xla_merges():
   y, x = (jnp.asarray(r.integers(-3, 4, (n, 1, 1), dtype=np.int32)) for n in (8, 4))
   assert_partitioned_matches(f, (y, x), (P(("b", "c")), P(("b", "c"))), "a2b2c2",
                              (P(("b", "c")), P(None, ("b", "c"))))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "plan 32 B of all-to-alls, compiled 16 B: two reshapes of x int32[4,8,1] P(None,('b','a')) "
+    "have one [4,1,1,1] block, and each moves 'a' to dim 0 by an all-to-all of that block; "
+    "XLA's CSE merges the two; spmd's schedule shares reshards per value (and its aliases), not "
+    "per local buffer (Known gaps)"))
+def test_all_to_alls_of_two_reshapes_of_one_block_that_xla_merges():
+  """Found by the thorough profile (seed 31, on c737619, after 5,246 examples): the all-to-all
+  case of reshards XLA merges per local buffer."""
+  def f(x):
+    return (spmd.annotate(x.reshape((4, 1, 8, 1)), P("a")),
+            spmd.annotate(x.reshape((4, 4, 2, 1)), P("a", "b")))
+
+  x = jnp.asarray(np.random.default_rng(45).integers(-3, 4, (4, 8, 1), dtype=np.int32))
+  assert_partitioned_matches(f, (x,), (P(None, ("b", "a"), None),), "a2b4")
