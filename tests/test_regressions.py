@@ -410,22 +410,20 @@ def test_ops_combining_one_row_per_shard_gather_the_operand_once():
   assert [(c.kind, c.bytes) for c in plan.collectives] == [("all-gather", 32)], plan.explain()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan 12 B of collective-permutes, compiled 8 B: XLA merges the reshards of two different "
-    "values whose local blocks are one buffer reshaped alike (a reshape and an expand_dims of an "
-    "uneven int32[2] P(('a','b')), both [1,1] per device); spmd's schedule shares reshards per "
-    "value (and its aliases), not per local buffer (Known gaps)"))
 def test_reshards_of_two_reshapes_of_one_block_that_xla_merges():
   """Found by the thorough profile (seed 21): three outputs of one uneven slice, each returned
   as P('a') (an uneven dim realigned by a permute, then gathered over 'b'). XLA's CSE sees the
   [2,1] and [1,2] values' blocks as one [1,1] reshape of the slice's block and merges their
-  permutes (not their gathers, which run along different dims)."""
+  permutes (8 B, where the plan counted 12 B), not their gathers, which run along different
+  dims, nor the permute of the slice's own [1] block. repeats.py now marks them."""
   def f(x0):
     v1 = x0[0:2]
     return v1.reshape((1, 2)), jnp.expand_dims(v1, 1), v1
 
   x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (4,), dtype=np.int32))
-  assert_partitioned_matches(f, (x0,), (P(("a", "b")),), "a2b2c2")
+  plan = assert_partitioned_matches(f, (x0,), (P(("a", "b")),), "a2b2c2")
+  assert sorted((c.kind, c.bytes) for c in plan.collectives) == (
+      [("all-gather", 8)] * 3 + [("collective-permute", 4)] * 2), plan.explain()
 
 
 def test_a_sum_of_a_reshape_in_effect_is_the_sum_it_repeats():
@@ -471,38 +469,33 @@ def test_literal_chains_fold_as_xla_folds_them(chain, dtype):
   assert_partitioned_matches(f, (x,), (P("a"),), "a2b4")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan 48 B of collective-permutes, compiled 36 B: the pieces of x int32[4,1,1] P(('b','c')) "
-    "that two concatenates exchange, one of x and one of its transpose moving only size-1 dims "
-    "(the same [1,1,1] block), are permuted between the same devices, and XLA's CSE merges those "
-    "permutes; spmd's schedule shares reshards per value (and its aliases), not per local buffer "
-    "(Known gaps)"))
 def test_piece_exchanges_of_two_views_of_one_block_that_xla_merges():
   """Found by the thorough profile (seed 30, on bc072bf; also on acc34fa): a concatenate of
   ``[y, x, x]`` and one of ``[x.T, x.T]`` with their results over ('b','c') build their blocks
-  from pieces of x's blocks; the permutes the two ops share are merged in the compiled
-  program."""
+  from pieces of x's blocks. The pieces of x int32[4,1,1] P(('b','c')) and of its transpose
+  moving only size-1 dims are the same [1,1,1] block, permuted between the same devices, and
+  XLA's CSE merges those permutes (36 B), where the plan counted them twice (48 B):
+  repeats.py now drops a halo piece sent before from one buffer."""
   def f(y, x):
     t = x.transpose(1, 0, 2)
     return jnp.concatenate([y, x, x]), jnp.concatenate([t, t], 1)
 
   r = np.random.default_rng(0)
   y, x = (jnp.asarray(r.integers(-3, 4, (n, 1, 1), dtype=np.int32)) for n in (8, 4))
-  assert_partitioned_matches(f, (y, x), (P(("b", "c")), P(("b", "c"))), "a2b2c2",
-                             (P(("b", "c")), P(None, ("b", "c"))))
+  plan = assert_partitioned_matches(f, (y, x), (P(("b", "c")), P(("b", "c"))), "a2b2c2",
+                                    (P(("b", "c")), P(None, ("b", "c"))))
+  assert plan.total_bytes == 36, plan.explain()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan 32 B of all-to-alls, compiled 16 B: two reshapes of x int32[4,8,1] P(None,('b','a')) "
-    "have one [4,1,1,1] block, and each moves 'a' to dim 0 by an all-to-all of that block; "
-    "XLA's CSE merges the two; spmd's schedule shares reshards per value (and its aliases), not "
-    "per local buffer (Known gaps)"))
 def test_all_to_alls_of_two_reshapes_of_one_block_that_xla_merges():
-  """Found by the thorough profile (seed 31, on c737619, after 5,246 examples): the all-to-all
-  case of reshards XLA merges per local buffer."""
+  """Found by the thorough profile (seed 31, on c737619, after 5,246 examples): two reshapes of
+  x int32[4,8,1] P(None,('b','a')) have one [4,1,1,1] block, and each moves 'a' to dim 0 by an
+  all-to-all of that block. XLA's CSE merges the two (16 B), where the plan counted both (32 B):
+  repeats.py now marks a collective repeated on one local buffer."""
   def f(x):
     return (spmd.annotate(x.reshape((4, 1, 8, 1)), P("a")),
             spmd.annotate(x.reshape((4, 4, 2, 1)), P("a", "b")))
 
   x = jnp.asarray(np.random.default_rng(45).integers(-3, 4, (4, 8, 1), dtype=np.int32))
-  assert_partitioned_matches(f, (x,), (P(None, ("b", "a"), None),), "a2b4")
+  plan = assert_partitioned_matches(f, (x,), (P(None, ("b", "a"), None),), "a2b4")
+  assert [(c.kind, c.bytes) for c in plan.collectives] == [("all-to-all", 16), ("all-gather", 64)]

@@ -96,6 +96,19 @@ class Hop:
       return [(j, j - k) for j in range(k, n)]
     return [(j, (j - k) % n) for j in range(n)]
 
+  def sent_rows(self, length: int) -> tuple[int, int] | None:
+    """The rows [start, stop) every sender sends of its block of ``length`` rows along ``dim``
+    (None for a rotation whose senders start at different rows)."""
+    if self.side == "left":
+      return length - self.skip - self.rows, length - self.skip
+    if self.side == "right":
+      return self.skip, self.skip + self.rows
+    if self.side == "mirror":
+      return 0, length
+    if len(set(self.starts)) > 1:
+      return None
+    return self.starts[0], self.starts[0] + self.rows
+
 
 @dataclass(frozen=True)
 class Halo:

@@ -335,7 +335,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
       continue
     if affine is not None:
       shifted[op.outputs[0]] = affine
-    if _reshapes_in_effect(op):
+    if reshapes_in_effect(op):
       source, result = op.inputs[0], op.outputs[0]
       source = relaid.get(source, source)
       if result.shape == source.shape:  # a reshape in effect keeps the dtype
@@ -635,7 +635,7 @@ def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
   return "full reduction", primitive, rest, relaid.get(x, x).id
 
 
-def _reshapes_in_effect(op: Op) -> bool:
+def reshapes_in_effect(op: Op) -> bool:
   """Whether ``op`` keeps its operand's elements in their row-major order and only re-lays them
   in another shape: a reshape, a squeeze (or an unstack of a size-1 dim, jax 0.11's squeeze in
   lexsort), a broadcast adding size-1 dims, a reduction over size-1 dims, a transpose moving

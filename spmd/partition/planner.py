@@ -14,6 +14,7 @@ from spmd.partition.execution import ExecutionPlanner
 from spmd.partition.ir import Literal, Program, Value
 from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
 from spmd.partition.rendering import render_plan
+from spmd.partition.repeats import mark_repeats
 from spmd.partition.schedule import ProgramFacts, Schedule, program_facts, schedule
 from spmd.partition.sharding import MeshShape, TensorSharding
 from spmd.partition.trips import trip_counts
@@ -113,6 +114,7 @@ class Planner:
     if sched is None:
       sched = self._schedules[key] = schedule(
           program, self._facts(prop), prop.shardings, inputs, entries, outputs, self.executions)
+      mark_repeats(sched, dict(mesh))
     return Scheduled(boundary, prop, sched, wanted)
 
   def _facts(self, prop: Propagation) -> ProgramFacts:

@@ -13,7 +13,6 @@ from spmd.partition.ir import Op, Program, Value, layer
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import describe
 from spmd.partition.propagate import Origin, Propagation
-from spmd.partition.reshard import ReshardStep
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.schedule import Schedule, ScheduledOp, Transfer
 from spmd.partition.sharding import MeshShape, TensorSharding
@@ -49,9 +48,9 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
         hoisted.setdefault(t.reader, []).append(t)
       owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
       by_op.setdefault(owner.index, []).extend(
-          _placed([c for step in t.steps for c in _collectives(step, owner, t)], outer))
-    by_op[s.op.index] += _placed([c for r in s.regions for t in r.exit for step in t.steps
-                                  for c in _collectives(step, s.op, t)], inner)
+          _placed([c for k in range(len(t.steps)) for c in _collectives(t, k, owner)], outer))
+    by_op[s.op.index] += _placed([c for r in s.regions for t in r.exit for k in range(len(t.steps))
+                                  for c in _collectives(t, k, s.op)], inner)
     by_op[s.op.index] += _placed([_halo_collective(h, hop, b, s) for h, hop, b in s.halo_hops],
                                  outer)
     by_op[s.op.index] += [_body_collective(b, s.op, n) for b in s.body_collectives for n in outer]
@@ -68,7 +67,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
           for op, depth in program.nested_ops]
   for t in sched.entry:
     k = t.slot.index
-    cols = tuple(c for step in t.steps for c in _collectives(step, None, t))
+    cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, None))
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
                         (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
     warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
@@ -77,11 +76,11 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   for t in sched.exit:
     owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
     if owner is not None:  # the output is an annotation's result, gathered as it asks
-      cols = tuple(c for step in t.steps for c in _collectives(step, owner, t))
+      cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, owner))
       by_op.setdefault(owner.index, []).extend(cols)
       _attach(rows, owner, cols)
       continue
-    cols = tuple(c for step in t.steps for c in _collectives(step, None, t))
+    cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, None))
     if cols:
       k = t.slot.index
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
@@ -130,17 +129,19 @@ def _placed(collectives: list[Collective], copies: Copies) -> list[Collective]:
   return [dataclasses.replace(c, trips=n) for c in collectives for n in copies]
 
 
-def _collectives(step: ReshardStep, op: Op | None, t: Transfer) -> list[Collective]:
-  """The collectives ``step`` runs (none for a local step); ``op`` None: a transfer at the
-  program's entry (an input) or exit (an output)."""
-  if not step.collectives:
+def _collectives(t: Transfer, k: int, op: Op | None) -> list[Collective]:
+  """The collectives step ``k`` of ``t`` runs (none for a local step, nor for those repeating
+  earlier ones, repeats.py); ``op`` None: a transfer at the program's entry (an input) or exit
+  (an output)."""
+  step = t.steps[k]
+  if not t.runs(k):
     return []
   boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
   tensor = str(t.slot) if t.reader is None else f"{t.slot}, hoisted before its loop"
   return [Collective(step.kind, step.axes, step.bytes // step.collectives,
                      None if op is None else op.index, t.slot.kind if op is None else op.primitive,
                      boundary if op is None else op.source, tensor, _shape(t.value),
-                     str(step.before), str(step.after))] * step.collectives
+                     str(step.before), str(step.after))] * t.runs(k)
 
 
 def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp) -> Collective:
@@ -269,4 +270,4 @@ def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: 
 
 def _gathered(t: Transfer | None) -> int:
   """Bytes per device an output's exit transfer moves (0 where it has none)."""
-  return 0 if t is None else sum(step.bytes for step in t.steps if step.communicates)
+  return 0 if t is None else t.moved

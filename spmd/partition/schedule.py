@@ -61,6 +61,17 @@ class Transfer:
   steps: tuple[ReshardStep, ...]
   slot: Slot
   reader: Op | None = None  # hoisted out of a loop: the body op whose slot it fills (else None)
+  repeats: tuple[int, ...] = ()  # per step: its collectives that repeat earlier ones (repeats.py)
+
+  def runs(self, k: int) -> int:
+    """The collectives step ``k`` runs in the compiled program: its repeats are merged."""
+    return self.steps[k].collectives - (self.repeats[k] if self.repeats else 0)
+
+  @property
+  def moved(self) -> int:
+    """Bytes per device of the collectives it runs."""
+    return sum(step.bytes - step.bytes // step.collectives * (step.collectives - self.runs(k))
+               for k, step in enumerate(self.steps) if step.collectives)
 
 
 @dataclass(eq=False)
@@ -101,22 +112,18 @@ class Schedule:
   def step_bytes(self, trips: Trips) -> int:
     """Per-device bytes of every collective per call, each counted as often as it runs (one
     iteration inside a while loop): the plan's ``step_bytes``, without rendering the plan."""
-    total = sum(_moved(t) for t in self.entry + self.exit)
+    total = sum(t.moved for t in self.entry + self.exit)
     for s in self.walk():
       if not (s.transfers or s.halo_hops or s.regions or s.body_collectives or s.gathered):
         continue  # most ops move nothing
       runs = trips[s.op.index]
       inner = region_trips(s.op, runs) or 1
-      total += (runs or 1) * (sum(map(_moved, s.transfers)) + s.gathered
+      total += (runs or 1) * (sum(t.moved for t in s.transfers) + s.gathered
                               + sum(nbytes for _, _, nbytes in s.halo_hops))
-      total += inner * sum(_moved(t) for r in s.regions for t in r.exit)
+      total += inner * sum(t.moved for r in s.regions for t in r.exit)
       total += sum(b.bytes * ((None if runs is None or b.trips is None else runs * b.trips) or 1)
                    for b in s.body_collectives)
     return total
-
-
-def _moved(t: Transfer) -> int:
-  return sum(step.bytes for step in t.steps if step.communicates)
 
 
 @dataclass(frozen=True)
