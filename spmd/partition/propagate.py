@@ -91,7 +91,7 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
   out: list[Constraint] = []
   unsupported: list[Op] = []
   rules: dict[tuple, OpShardingRule] = {}  # repeated layers repeat their ops' rules
-  for op in program.all_ops():
+  for op in _regions_first(program.ops):
     info = describe(op.eqn.primitive)
     if info is not None and info.control is not None:
       for link in info.control.links(op):
@@ -107,6 +107,16 @@ def constraints_for(program: Program) -> tuple[list[Constraint], list[Op]]:
         rules[key] = rule
     out.append(Constraint(op, rule, _values(op.inputs), _values(op.outputs)))
   return out, unsupported
+
+
+def _regions_first(ops: Iterable[Op]) -> Iterable[Op]:
+  """Every op, a control-flow op after the ops of its regions: a sweep then carries what a loop
+  body asks of its carry to the loop's links before the links carry the init's sharding in
+  (XLA keeps a carry as its body shards it, and reshards the init once before the loop)."""
+  for op in ops:
+    for region in op.regions:
+      yield from _regions_first(region.ops)
+    yield op
 
 
 def _rule_key(op: Op) -> tuple | None:
@@ -310,7 +320,8 @@ class _Engine:
         if not dims[part][d]:
           continue  # no axes: no candidate for any of its factors
         for f, axes in project(factors, dims[part][d], rule.sizes, self.mesh):
-          candidates.setdefault(f, []).append(_Candidate(axes, d in closed, size, pos, part))
+          candidates.setdefault(f, []).append(
+              _Candidate(axes, d in closed and pos not in rule.outside, size, pos, part))
     conflicts: list[_Dropped] = []
     merged = self._merge(rule, candidates, conflicts, _result_sizes(rule, parts))
     writes: list[_Write] = []
@@ -418,8 +429,8 @@ def _tied_axes(ranked: list[_Candidate], operands: int) -> Axes:
   closed candidates of its tensor size on its side of the op (among the first ``operands``
   tensors, or the rest) disagree with it, their common prefix (as Shardy's propagation, and so
   jax.jit, resolves ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b')). A closed operand
-  and a closed result do not tie: a loop's carry between its in_specs and out_specs keeps the
-  init's axes (XLA reshards the result once) rather than running replicated."""
+  and a closed result do not tie: an op between an in_spec and another out_spec runs in its
+  operand's axes (its result is resharded once) rather than replicated."""
   best = ranked[0]
   side = best.pos < operands
   tied = [x.axes for x in ranked

@@ -22,8 +22,10 @@ class Link:
   results: tuple[Atom, ...]
 
 
-def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
-  """All tensors share one factor per dim (literals take no part)."""
+def identity(operands: Sequence[Atom], results: Sequence[Atom], outside: tuple[int, ...] = ()
+             ) -> Link:
+  """All tensors share one factor per dim (literals take no part); ``outside``: a carry's
+  tensors outside its loop (OpShardingRule.outside)."""
   shape = next((x.shape for x in (*operands, *results) if isinstance(x, Value)), ())
   b = RuleBuilder()
   dims = b.factors(shape)
@@ -31,8 +33,8 @@ def identity(operands: Sequence[Atom], results: Sequence[Atom]) -> Link:
   def of(x: Atom) -> list | None:
     return list(dims) if isinstance(x, Value) else None
 
-  return Link(b.build([of(x) for x in operands], [of(x) for x in results], pass_through=True),
-              tuple(operands), tuple(results))
+  return Link(b.build([of(x) for x in operands], [of(x) for x in results], pass_through=True,
+                      outside=outside), tuple(operands), tuple(results))
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ def scan(op: Op) -> list[Link]:
   body = op.regions[0]
   consts, init, xs = op.inputs[:nc], op.inputs[nc:nc + nk], op.inputs[nc + nk:]
   links = [identity([c], [v]) for c, v in zip(consts, body.inputs[:nc])]
-  for j in range(nk):
-    links.append(identity([init[j], body.outputs[j]], [body.inputs[nc + j], op.outputs[j]]))
+  for j in range(nk):  # the body's output ranks before the init
+    links.append(identity([body.outputs[j], init[j]], [body.inputs[nc + j], op.outputs[j]],
+                          outside=(1, 3)))
   for x, v in zip(xs, body.inputs[nc + nk:]):
     links.append(_stacked([x], [v], length, outer_side="operands"))
   for y, r in zip(body.outputs[nk:], op.outputs[nk:]):
@@ -83,8 +86,9 @@ def while_(op: Op) -> list[Link]:
   links = [identity([c], [v]) for c, v in zip(op.inputs[:cn], cond.inputs[:cn])]
   links += [identity([c], [v]) for c, v in zip(op.inputs[cn:cn + bn], body.inputs[:bn])]
   for j, init in enumerate(op.inputs[cn + bn:]):
-    links.append(identity([init, body.outputs[j]],
-                          [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]]))
+    links.append(identity([body.outputs[j], init],
+                          [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]],
+                          outside=(1, 4)))
   return links
 
 

@@ -45,6 +45,10 @@ class OpShardingRule:
   # factor holds every pass factor. Propagation gives a sort's or top_k's result that form; a
   # reduction's (argmax, prod, a scan's) result takes Shardy's sharding, as jax.jit's outputs.
   relocatable: bool = False
+  # A loop carry's link: the tensors (by position) outside the loop, its init and result. Each is
+  # resharded once whatever the carry is, so its closed sharding does not outrank the body's (XLA
+  # keeps a carry as its body shards it), where every trip would reshard.
+  outside: tuple[int, ...] = ()
 
   @property
   def num_factors(self) -> int:
@@ -108,11 +112,12 @@ class RuleBuilder:
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
             combiner: str = "sum", gathers: tuple[Any, ...] = (),
-            relocatable: bool = False, broadcast: bool = False) -> OpShardingRule:
+            relocatable: bool = False, broadcast: bool = False, outside: tuple[int, ...] = ()
+            ) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, broadcast,
                           combiner, windows=tuple(self.windows), gathers=gathers,
-                          relocatable=relocatable)
+                          relocatable=relocatable, outside=outside)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:
