@@ -171,3 +171,15 @@ def test_pooling_of_two_reshapes_of_one_block_exchanges_once():
   alone = assert_partitioned_matches(lambda x: pool(x[..., None]), (randn(2, 16, 4),),
                                      (P(None, "b"),), "a2b4")
   assert plan.total_bytes == alone.total_bytes > 0, plan.explain()
+
+
+def test_reshapes_of_a_key_array_move_once():
+  """PRNG keys (an extended dtype) over 'a', two reshapes of them wanted over 'b': one
+  reshard of their one block, then a draw from each key."""
+  def f(keys):
+    a = spmd.annotate(keys[:, None], P("b"))
+    b = spmd.annotate(keys.reshape(8, 1), P("b"))
+    return jax.vmap(jax.random.normal)(a[:, 0]), jax.vmap(jax.random.uniform)(b[:, 0])
+
+  keys = jax.random.split(jax.random.key(0), 8)
+  assert_partitioned_matches(f, (keys,), (P("a"),), "a2b4")

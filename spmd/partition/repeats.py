@@ -66,7 +66,7 @@ class _Place:
   scope: int
   buffer: _Buffer
   local: tuple[int, ...]
-  dtype: np.dtype
+  dtype: Any  # a numpy dtype, or JAX's (a PRNG key's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ class _Piece:
   scope: int
   buffer: _Buffer
   local: tuple[int, ...]
-  dtype: np.dtype
+  dtype: Any  # a numpy dtype, or JAX's (a PRNG key's)
   region: tuple[int, int, int] | None
   axes: tuple[str, ...]
   pairs: tuple[tuple[int, int], ...]
@@ -155,7 +155,7 @@ class _Marker:
     if rows is None:
       return None
     axes, pairs = mesh_pairs(hop.axes, hop.pairs, self.mesh)
-    return _Piece(scope, self._buffer(x, read), local, np.dtype(x.dtype),
+    return _Piece(scope, self._buffer(x, read), local, x.dtype,
                   None if rows == (0, local[hop.dim]) else (hop.dim, *rows), axes, tuple(pairs))
 
   def _transfers(self, transfers: list[Transfer], scope: int) -> None:
@@ -167,7 +167,7 @@ class _Marker:
   def _steps(self, t: Transfer, scope: int) -> tuple[int, ...]:
     """How many collectives of each step of ``t`` repeat earlier ones; registers the buffers
     the steps make."""
-    v, dtype = t.value, np.dtype(t.value.dtype)
+    v, dtype = t.value, t.value.dtype
     buffer, repeats = self._buffer(v, t.src), []
     for step in t.steps:
       place = _Place(scope, buffer, step.before.local_shape(v.shape, self.mesh), dtype)
@@ -201,7 +201,7 @@ class _Marker:
     return made, repeated
 
 
-def _traced(step: ReshardStep, shape: tuple[int, ...], dtype: np.dtype, mesh: MeshShape
+def _traced(step: ReshardStep, shape: tuple[int, ...], dtype: Any, mesh: MeshShape
             ) -> _Trace | None:
   try:
     return _trace(step, shape, dtype, tuple(mesh.items()))
@@ -210,7 +210,7 @@ def _traced(step: ReshardStep, shape: tuple[int, ...], dtype: np.dtype, mesh: Me
 
 
 @functools.lru_cache(maxsize=4096)
-def _trace(step: ReshardStep, shape: tuple[int, ...], dtype: np.dtype,
+def _trace(step: ReshardStep, shape: tuple[int, ...], dtype: Any,
            mesh: tuple[tuple[str, int], ...]) -> _Trace | None:
   """``step``'s computation on the local block, as keys; None where they cannot be compared."""
   sizes = dict(mesh)
