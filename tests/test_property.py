@@ -13,7 +13,7 @@ reshape, broadcast, transpose, annotate) nor such foldable forms: a plan/HLO dif
 the partitioner's. Annotations are not deduplicated: the partitioner itself must handle those.
 
 Profiles: ``ci`` (default: 40 derandomized examples) and ``thorough`` (10,000 random examples,
-about an hour on 2 cores), one command:
+about 40 minutes on 2 cores), one command:
 ``SPMD_HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_property.py --hypothesis-show-statistics``.
 """
 from __future__ import annotations
