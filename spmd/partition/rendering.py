@@ -48,9 +48,9 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
         hoisted.setdefault(t.reader, []).append(t)
       owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
       by_op.setdefault(owner.index, []).extend(
-          _placed([c for k in range(len(t.steps)) for c in _collectives(t, k, owner)], outer))
-    by_op[s.op.index] += _placed([c for r in s.regions for t in r.exit for k in range(len(t.steps))
-                                  for c in _collectives(t, k, s.op)], inner)
+          _placed([c for i in range(len(t.steps)) for c in _collectives(t, i, owner)], outer))
+    by_op[s.op.index] += _placed([c for r in s.regions for t in r.exit for i in range(len(t.steps))
+                                  for c in _collectives(t, i, s.op)], inner)
     by_op[s.op.index] += _placed([_halo_collective(h, hop, b, s) for h, hop, b in s.halo_hops],
                                  outer)
     by_op[s.op.index] += [_body_collective(b, s.op, n) for b in s.body_collectives for n in outer]
@@ -67,7 +67,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
           for op, depth in program.nested_ops]
   for t in sched.entry:
     k = t.slot.index
-    cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, None))
+    cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, None))
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
                         (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
     warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
@@ -76,11 +76,11 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   for t in sched.exit:
     owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
     if owner is not None:  # the output is an annotation's result, gathered as it asks
-      cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, owner))
+      cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, owner))
       by_op.setdefault(owner.index, []).extend(cols)
       _attach(rows, owner, cols)
       continue
-    cols = tuple(c for k in range(len(t.steps)) for c in _collectives(t, k, None))
+    cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, None))
     if cols:
       k = t.slot.index
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
