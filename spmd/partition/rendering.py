@@ -47,10 +47,9 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
       if t.reader is not None:
         hoisted.setdefault(t.reader, []).append(t)
       owner = _caused_by(t.value, t, annotations, prop) or t.reader or s.op
-      by_op.setdefault(owner.index, []).extend(
-          _placed([c for i in range(len(t.steps)) for c in _collectives(t, i, owner)], outer))
-    by_op[s.op.index] += _placed([c for r in s.regions for t in r.exit for i in range(len(t.steps))
-                                  for c in _collectives(t, i, s.op)], inner)
+      by_op.setdefault(owner.index, []).extend(_placed(_collectives(t, owner), outer))
+    by_op[s.op.index] += _placed(
+        [c for r in s.regions for t in r.exit for c in _collectives(t, s.op)], inner)
     by_op[s.op.index] += _placed([_halo_collective(h, hop, b, s) for h, hop, b in s.halo_hops],
                                  outer)
     by_op[s.op.index] += [_body_collective(b, s.op, n) for b in s.body_collectives for n in outer]
@@ -67,7 +66,7 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
           for op, depth in program.nested_ops]
   for t in sched.entry:
     k = t.slot.index
-    cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, None))
+    cols = tuple(_collectives(t, None))
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
                         (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
     warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
@@ -76,11 +75,11 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   for t in sched.exit:
     owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
     if owner is not None:  # the output is an annotation's result, gathered as it asks
-      cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, owner))
+      cols = tuple(_collectives(t, owner))
       by_op.setdefault(owner.index, []).extend(cols)
       _attach(rows, owner, cols)
       continue
-    cols = tuple(c for i in range(len(t.steps)) for c in _collectives(t, i, None))
+    cols = tuple(_collectives(t, None))
     if cols:
       k = t.slot.index
       rows.append(PlanRow(len(rows), f"output[{k}]", "out_specs", 0, (_shape(t.value),),
@@ -129,19 +128,17 @@ def _placed(collectives: list[Collective], copies: Copies) -> list[Collective]:
   return [dataclasses.replace(c, trips=n) for c in collectives for n in copies]
 
 
-def _collectives(t: Transfer, k: int, op: Op | None) -> list[Collective]:
-  """The collectives step ``k`` of ``t`` runs (none for a local step, nor for those repeating
-  earlier ones, repeats.py); ``op`` None: a transfer at the program's entry (an input) or exit
-  (an output)."""
-  step = t.steps[k]
-  if not t.runs(k):
-    return []
+def _collectives(t: Transfer, op: Op | None) -> list[Collective]:
+  """The collectives ``t``'s steps run (none for a local step, nor those repeating earlier
+  ones, repeats.py); ``op`` None: a transfer at the program's entry (an input) or exit (an
+  output)."""
   boundary = "in_specs" if t.slot.kind == "input" else "out_specs"
   tensor = str(t.slot) if t.reader is None else f"{t.slot}, hoisted before its loop"
   return [Collective(step.kind, step.axes, step.bytes // step.collectives,
                      None if op is None else op.index, t.slot.kind if op is None else op.primitive,
                      boundary if op is None else op.source, tensor, _shape(t.value),
-                     str(step.before), str(step.after))] * t.runs(k)
+                     str(step.before), str(step.after))
+          for k, step in enumerate(t.steps) for _ in range(t.runs(k))]
 
 
 def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp) -> Collective:

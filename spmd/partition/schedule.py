@@ -63,14 +63,18 @@ class Transfer:
   reader: Op | None = None  # hoisted out of a loop: the body op whose slot it fills (else None)
   repeats: tuple[int, ...] = ()  # per step: its collectives that repeat earlier ones (repeats.py)
 
+  def repeated(self, k: int) -> int:
+    """Step ``k``'s collectives that repeat earlier ones, which XLA merges."""
+    return self.repeats[k] if self.repeats else 0
+
   def runs(self, k: int) -> int:
-    """The collectives step ``k`` runs in the compiled program: its repeats are merged."""
-    return self.steps[k].collectives - (self.repeats[k] if self.repeats else 0)
+    """The collectives step ``k`` runs in the compiled program."""
+    return self.steps[k].collectives - self.repeated(k)
 
   @property
   def moved(self) -> int:
     """Bytes per device of the collectives it runs."""
-    return sum(step.bytes - step.bytes // step.collectives * (step.collectives - self.runs(k))
+    return sum(step.bytes - step.bytes // step.collectives * self.repeated(k)
                for k, step in enumerate(self.steps) if step.collectives)
 
 

@@ -72,7 +72,7 @@ def scan(op: Op) -> list[Link]:
   links = [identity([c], [v]) for c, v in zip(consts, body.inputs[:nc])]
   for j in range(nk):  # the body's output ranks before the init
     links.append(identity([body.outputs[j], init[j]], [body.inputs[nc + j], op.outputs[j]],
-                          outside=(1, 3)))
+                          outside=(1, 3)))  # the init and the loop's result
   for x, v in zip(xs, body.inputs[nc + nk:]):
     links.append(_stacked([x], [v], length, outer_side="operands"))
   for y, r in zip(body.outputs[nk:], op.outputs[nk:]):
@@ -88,7 +88,7 @@ def while_(op: Op) -> list[Link]:
   for j, init in enumerate(op.inputs[cn + bn:]):
     links.append(identity([body.outputs[j], init],
                           [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]],
-                          outside=(1, 4)))
+                          outside=(1, 4)))  # the init and the loop's result
   return links
 
 
