@@ -327,7 +327,8 @@ class _Engine:
     writes: list[_Write] = []
     if any(axes for axes, _ in merged.values()):
       for part, (_, v, tf, _) in enumerate(parts):
-        self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes)
+        self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes,
+                    result=parts[part][0] >= len(rule.operands))
     return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
@@ -399,7 +400,11 @@ class _Engine:
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
-             writes: list[_Write]) -> None:
+             writes: list[_Write], result: bool) -> None:
+    """Writes the merged factors into the open dims of part ``part``. A result's dim merged from
+    factors takes, of a factor split unevenly, the major axes that split it evenly: the op
+    reshards its operand to those (realigning uneven blocks) rather than gathering it whole. An
+    operand's such dim takes none: it would be made in a form the op reshards anyway."""
     for d, factors in enumerate(tf):
       if d in closed or not factors:
         continue
@@ -408,7 +413,9 @@ class _Engine:
       for f in factors:
         axes, cand = merged.get(f, ((), None))
         if len(factors) > 1 and rule.sizes[f] % math.prod(self.mesh[a] for a in axes):
-          break  # split unevenly in a merged dim: its padding would land inside the dim
+          if not result:  # split unevenly in a merged dim: its padding would land inside it
+            break
+          axes = _even_prefix(axes, rule.sizes[f], self.mesh)
         new.extend(axes)
         source = source or (cand if axes else None)
         if len(factors) > 1 and math.prod(self.mesh[a] for a in axes) != rule.sizes[f]:
@@ -470,6 +477,14 @@ def project(factors: tuple[int, ...], axes: Axes, sizes: tuple[int, ...],
     if prod != sizes[f]:
       break
   return out
+
+
+def _even_prefix(axes: Axes, size: int, mesh: MeshShape) -> Axes:
+  """The longest prefix of ``axes`` that splits ``size`` evenly."""
+  n = len(axes)
+  while size % math.prod(mesh[a] for a in axes[:n]):
+    n -= 1
+  return axes[:n]
 
 
 def prefix_without(axes: Axes, used: set[str]) -> Axes:
