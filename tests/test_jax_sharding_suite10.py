@@ -428,8 +428,9 @@ def broadcast_operators_on_a_three_d_mesh():
 
 XFAIL: dict[Callable, str] = {
     scan_of_a_length_with_no_xs_unrolled_over_a_sharded_carry: (
-        "the carry tanh(h @ w), h f32[8,16] P('a','b') and w P('b'), comes back P('a','b') (the "
-        "init's axes win over the body's P('a') result) where jax.jit returns P('a'); 816 B, XLA "
+        "the carry tanh(h @ w), h f32[8,16] P('a','b') and w P('b'), comes back P('a','b') "
+        "where jax.jit returns P('a'): JAX lowers the fifth step after the loop (unrolled twice), "
+        "and that dot's result is P('a') (with unroll 1 jax.jit returns P('a','b')); 816 B, XLA "
         "800 B (docs/ARCHITECTURE.md, Known gaps)"),
     outer_indexing_by_two_broadcast_index_arrays_of_sharded_dims: (
         "x[i[:, None], j[None, :]] of f32[8,16] P('a','b'), i P('a'), j P('b'): spmd sums masked "

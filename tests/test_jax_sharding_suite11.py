@@ -475,14 +475,6 @@ def draws_keyed_by_a_sharded_batch_of_keys_folded_in():
   check_jit(f, (keys, X), (P("a"), P("a", "b")), MESH)
 
 
-XFAIL: dict[Callable, str] = {
-    correlate_and_cross_of_sharded_operands: (
-        "jnp.cross(u, v) of f32[8,3] u P('a'), v P('b'): the products of their column slices meet "
-        "'a' and 'b' on open values, to which the common-prefix tie rule is not applied: spmd "
-        "returns P('a') (96 B) where jax.jit returns P() (XLA 192 B) (Known gaps)"),
-}
-
-
-@pytest.mark.parametrize("run", CASES.params(XFAIL))
+@pytest.mark.parametrize("run", CASES.params({}))
 def test_case(run: Callable[[], None]) -> None:
   run()

@@ -419,11 +419,6 @@ def inverse_and_matrix_power_over_a_batch_sharded_on_one_axis():
 
 
 XFAIL: dict[Callable, str] = {
-    all_with_a_negated_mask_sharded_across_the_operand: (
-        "jnp.all(b, 0, where=~w, keepdims=True), bool[8,16] b P('a','b'), w P('b','a'): the "
-        "select reads the open ~w's P('b','a') where Shardy resolves the closed operands' clash "
-        "to no axes, so spmd returns P(None,'a') (56 B) where jax.jit returns P() (XLA 352 B) "
-        "(Known gaps)"),
     ellipsis_contraction_whose_free_and_contracted_dims_hold_one_axis: (
         "einsum '...ij,...jk' of f32[1,4,8] P(None,'b') and f32[8,8,4] P('a','b'): 'b' names "
         "x's free dim i and y's contracted dim j; spmd keeps it on j (an all-to-all and an "

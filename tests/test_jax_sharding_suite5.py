@@ -438,8 +438,8 @@ def bool_logic_any_all_and_counts():
 
 @case
 def elementwise_of_an_argument_and_a_value_computed_from_another_sharded_differently():
-  """x P("a") times sin(y), y P("b"): jax.jit (Shardy) gives the product neither's axis on dim
-  0 (they are of one size and disagree), spmd the closed argument's P("a")."""
+  """x P("a") times sin(y), y P("b"): the product takes neither's axis on dim 0 (they are of one
+  size and disagree, closed and open: their common prefix), as jax.jit (Shardy)."""
   check_jit(lambda x, y: x * jnp.sin(y), (X, randn(8, 16, seed=2)), (P("a"), P("b")), MESH)
 
 
@@ -474,11 +474,6 @@ def float16_scan_carry_and_int8_convert():
   check_jit(f, ((randn(8, 16) * 3).astype(np.float16),), P(None, "b"), MESH)
 
 
-XFAIL = {elementwise_of_an_argument_and_a_value_computed_from_another_sharded_differently: (
-    "propagation: a closed sharding beats an open one of the same size on a factor where they "
-    "disagree; Shardy keeps only their common prefix (docs/ARCHITECTURE.md, Known gaps)")}
-
-
-@pytest.mark.parametrize("run", CASES.params(XFAIL))
+@pytest.mark.parametrize("run", CASES.params({}))
 def test_case(run: Callable[[], None]) -> None:
   run()

@@ -430,10 +430,6 @@ def logsumexp_with_weights_sharded_across_the_operand():
 
 
 XFAIL: dict[Callable, str] = {
-    divmod_of_int32_sharded_differently: (
-        "jnp.divmod of int32[8,16] P('a','b') and P('b') returns P('a','b') (416 B) where "
-        "jax.jit returns P(None,'b') (XLA 672 B): its floor and sign fix-ups meet the operands "
-        "as open values, to which the common-prefix tie rule is not applied (Known gaps)"),
     logsumexp_with_weights_sharded_across_the_operand: (
         "logsumexp of f32[8,16] P('a','b') weighted by b P('b') moves 352 B and returns P('b') "
         "where XLA moves 160 B and jax.jit returns P('a') (docs/ARCHITECTURE.md, Known gaps)"),

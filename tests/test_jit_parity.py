@@ -615,6 +615,28 @@ def test_elementwise_of_arguments_sharded_differently_keeps_their_common_prefix(
   check_jit(lambda x, y: x * y + 1, (randn(8, 16), randn(8, 16, seed=1)), specs, mesh)
 
 
+@pytest.mark.parametrize("fn,specs", [
+    pytest.param(lambda x, y: x * jnp.sin(y), (P("data"), P("model")), id="closed-and-open"),
+    pytest.param(lambda x, y: jnp.sin(x) * jnp.cos(y), (P("data"), P("model")), id="both-open"),
+    pytest.param(lambda x, y: jnp.exp(x) - jnp.tanh(y), (P("data", "model"), P("model", "data")),
+                 id="both-open-two-dims"),
+    pytest.param(lambda x, y: (jnp.sin(x) * jnp.cos(y)).sum(1), (P("data"), P("model")),
+                 id="then-reduced"),
+    pytest.param(lambda x, y: jnp.sin(x) * jnp.cos(y), (P(("data", "model")), P("data")),
+                 id="one-a-prefix-of-the-other"),
+    pytest.param(lambda x, y: jnp.sin(x) + jnp.cos(y) * x, (P("data"), P("model")),
+                 id="read-twice"),
+    pytest.param(lambda x, y: jnp.sin(x) * jnp.cos(y.T).T, (P("data"), P(None, "data")),
+                 id="agreeing-through-transposes"),
+])
+def test_values_of_one_size_disagreeing_keep_their_common_prefix_closed_or_open(mesh, fn, specs):
+  """Computed (open) values of one size that disagree on a dim meet as arguments do: the result
+  takes their common prefix there, as under jax.jit (Shardy keeps a value's sharding however it
+  got it). spmd gave the closed or the earlier value's axes to the first four (P("data"),
+  P("data", "model"))."""
+  check_jit(fn, (randn(8, 16), randn(8, 16, seed=1)), specs, mesh)
+
+
 @pytest.mark.parametrize("loss", ["dot", "product"])
 def test_a_constant_read_by_several_ops_leaves_each_its_own_sharding(mesh, loss):
   """The cotangent jax.grad of a sum seeds is a constant read by every argument's gradient: each

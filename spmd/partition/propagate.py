@@ -7,9 +7,9 @@ Policy (deterministic), per factor:
   1. Candidates that are prefixes of one another merge into the longest.
   2. Otherwise a closed sharding (in_specs, annotations, out_specs) beats an open one, a larger
      tensor beats a smaller one (moving the smaller one is cheaper), then the earlier tensor
-     (operands before results); closed shardings of one size that disagree keep only their
-     common prefix (as Shardy's, and so jax.jit's, propagation). Two closed shardings that
-     disagree are reported as a conflict.
+     (operands before results); shardings of the first's size on its side of the op that
+     disagree with it, closed or open, keep only their common prefix (as Shardy's, and so
+     jax.jit's, propagation). Two closed shardings that disagree are reported as a conflict.
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
@@ -348,7 +348,7 @@ class _Engine:
         axes = best.axes
       else:
         best = ranked[0]
-        axes = _tied_axes(ranked, len(rule.operands))
+        axes = _tied_axes(ranked, rule)
         for other in ranked[1:]:
           if other.closed and best.closed and best.axes[:len(other.axes)] != other.axes:
             conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
@@ -431,17 +431,19 @@ class _Engine:
       writes.append(_Write(part, d, dims[d], None if source is None else source.part))
 
 
-def _tied_axes(ranked: list[_Candidate], operands: int) -> Axes:
+def _tied_axes(ranked: list[_Candidate], rule: OpShardingRule) -> Axes:
   """The axes a factor takes from disagreeing candidates (best first): the first's, or where
-  closed candidates of its tensor size on its side of the op (among the first ``operands``
-  tensors, or the rest) disagree with it, their common prefix (as Shardy's propagation, and so
-  jax.jit, resolves ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b')). A closed operand
-  and a closed result do not tie: an op between an in_spec and another out_spec runs in its
-  operand's axes (its result is resharded once) rather than replicated."""
+  candidates of its tensor size on its side of the op (operands, or results), closed or open,
+  disagree with it, their common prefix (as Shardy's propagation, and so jax.jit, resolves
+  ``x * y`` with x P('a', 'b') and y P('b'): P(None, 'b'), and ``x * sin(y)`` with x P('a') and
+  y P('b'): P()). An operand and a result do not tie: an op between an in_spec and another
+  out_spec runs in its operand's axes (its result is resharded once) rather than replicated. A
+  loop carry's init does not tie with the body's output, which it ranks after
+  (OpShardingRule.outside)."""
   best = ranked[0]
-  side = best.pos < operands
-  tied = [x.axes for x in ranked
-          if x.closed and best.closed and x.size == best.size and (x.pos < operands) == side]
+  side = best.pos < len(rule.operands)
+  tied = [x.axes for x in ranked if x.size == best.size and x.pos not in rule.outside
+          and (x.pos < len(rule.operands)) == side]
   if len(tied) < 2:
     return best.axes
   n = 0
