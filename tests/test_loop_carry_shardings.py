@@ -1,5 +1,6 @@
 """A loop carry takes its body's sharding (propagate.py: links after their regions' ops, and a
-carry's init and result do not outrank the body by being closed, OpShardingRule.outside): the
+carry's init and result do not outrank the body by being closed and rank after the body's
+input and output, OpShardingRule.outside): the
 init is resharded once before the loop rather than the carry on every trip, as XLA does. Values,
 plan == compiled HLO and bytes against XLA's partitioner for scans and while loops, forward and
 gradient, even and uneven, and the cases where the init's sharding still wins (a body that
@@ -48,14 +49,12 @@ def test_while_carry_keeps_the_body_sharding(mesh, init, body):
   assert all(c.trips == 1 for c in plan.collectives), plan.explain()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "704 B per device where XLA moves 320 B: the forward carry keeps the init's P('a'), since "
-    "the body's constraint reaches its output only through a dot, which propagation applies at "
-    "its second level, after the carry's link (a pass-through rule, first level) has carried "
-    "the init's sharding in; the forward alone moves nothing (the dot reads the constrained "
-    "carry in its P('a') form), the backward scan's carries meet P('a') and P('b') (Known gaps)"))
 def test_scan_carry_gradient_keeps_the_body_sharding():
-  """The gradient of a loss over such a scan: values, plan == HLO, bytes no more than XLA's."""
+  """The gradient of a loss over such a scan, whose body's constraint reaches its output only
+  through a dot (a rule of propagation's second level): the carry still takes the body's P('b'),
+  which its input has from the first level on, 320 B per device as XLA (was 704 B: the init's
+  P('a') outranked the body's input and reached its output, the backward scan's carries
+  meeting P('a') and P('b'))."""
   constrain = _constrained("a2b4", P("b"))
 
   def loss(c, w):
@@ -65,8 +64,29 @@ def test_scan_carry_gradient_keeps_the_body_sharding():
     c, ys = lax.scan(step, c, None, length=3)
     return (c ** 2).sum() + ys.sum()
 
+  plan = no_more_than_xla(jax.grad(loss, argnums=(0, 1)),
+                          (randn(8, 8), randn(8, 8, seed=1) / 4), (P("a"), P()), "a2b4")
+  assert plan.total_bytes == 320, plan.explain()
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+@pytest.mark.parametrize("mesh,init,body", [("a2b4", P("a"), P("b")), ("a2b4", P("b"), P("a")),
+                                            ("a2b2c2", P(("a", "b")), P(("c", "a")))])
+def test_gradient_of_a_carry_behind_a_dot(loop, mesh, init, body):
+  """The gradient of a loss over a loop whose body's constraint reaches its output through a
+  dot: bytes no more than XLA's (the carry takes the body's sharding)."""
+  constrain = _constrained(mesh, body)
+  step = lambda c, w: jnp.tanh(constrain(c) @ w)
+
+  def loss(c, w):
+    if loop == "scan":
+      c = lax.scan(lambda c, _: (step(c, w), None), c, None, length=3)[0]
+    else:  # static bounds: differentiated as a scan
+      c = lax.fori_loop(0, 3, lambda i, c: step(c, w), c)
+    return (c ** 2).sum()
+
   no_more_than_xla(jax.grad(loss, argnums=(0, 1)), (randn(8, 8), randn(8, 8, seed=1) / 4),
-                   (P("a"), P()), "a2b4")
+                   (init, P()), mesh)
 
 
 def test_uneven_carry_keeps_the_body_sharding():

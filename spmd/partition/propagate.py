@@ -20,7 +20,9 @@ Pass-through ops (elementwise-like) run to a fixed point first, then every op (S
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
 (XLA's propagation also defers forward propagation through broadcasts), so a small param's
 sharding does not claim a large activation's mesh axes before the activation's own sharding
-arrives.
+arrives. On a loop carry's link the init and the loop's result rank after the body's input and
+output (OpShardingRule.outside): what the body asks of its carry wins over the init, which is
+resharded once before the loop.
 """
 from __future__ import annotations
 
@@ -141,9 +143,10 @@ class _Candidate:
   size: int
   pos: int
   part: int  # which of the constraint's tensors (its index in _Engine.parts)
+  outside: bool = False  # a loop carry's init or result (OpShardingRule.outside)
 
   def priority(self) -> tuple:
-    return (not self.closed, -self.size, self.pos)
+    return (not self.closed, self.outside, -self.size, self.pos)
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,8 @@ class _Engine:
           continue  # no axes: no candidate for any of its factors
         for f, axes in project(factors, dims[part][d], rule.sizes, self.mesh):
           candidates.setdefault(f, []).append(
-              _Candidate(axes, d in closed and pos not in rule.outside, size, pos, part))
+              _Candidate(axes, d in closed and pos not in rule.outside, size, pos, part,
+                         pos in rule.outside))
     conflicts: list[_Dropped] = []
     merged = self._merge(rule, candidates, conflicts, _result_sizes(rule, parts))
     writes: list[_Write] = []

@@ -46,8 +46,8 @@ class OpShardingRule:
   # reduction's (argmax, prod, a scan's) result takes Shardy's sharding, as jax.jit's outputs.
   relocatable: bool = False
   # A loop carry's link: the tensors (by position) outside the loop, its init and result. Each is
-  # resharded once whatever the carry is, so its closed sharding does not outrank the body's (XLA
-  # keeps a carry as its body shards it), where every trip would reshard.
+  # resharded once whatever the carry is, so it ranks after the body's input and output, closed or
+  # not (XLA keeps a carry as its body shards it), where every trip would reshard.
   outside: tuple[int, ...] = ()
 
   @property
