@@ -117,16 +117,7 @@ class ExecutionPlanner:
     its operands' (``price``). A result left as a pending partial sum that ``summed_with`` other
     such sums (an add of several dots' partial results) is reduced once for all of them, so its
     reduction is priced at its share."""
-    known = self._signatures.get(id(c))
-    if known is None:  # propagation shares equal ops' rules
-      tensors = c.tensors()
-      known = self._signatures[id(c)] = (id(c.rule), tuple(
-          None if v is None else (v.shape, v.dtype) for v in tensors)), tensors
-    signature, tensors = known
-    key = (signature, tuple(None if v is None else shardings[v] for v in tensors))
-    options = self._options.get(key)
-    if options is None:
-      options = self._options[key] = self._candidates(c, shardings)
+    options = self._options_of(c, shardings)
     if len(options) == 1:
       best = options[0].execution
     else:  # of equally cheap options, the first whose own gather moves least (an operand's
@@ -152,6 +143,27 @@ class ExecutionPlanner:
       if dim_axes:
         axes[factors[0]] = dim_axes
     return _execute(c, tuple(axes), self.mesh)
+
+  def may_leave_partial(self, c: Constraint, shardings: Mapping[Value, TensorSharding],
+                        result: int) -> bool:
+    """Whether some execution of ``c`` leaves its result ``result`` a pending partial sum."""
+    return any(o.execution.produces[result] is not None and o.execution.produces[result].partial
+               for o in self._options_of(c, shardings))
+
+  def _options_of(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
+                  ) -> list[_Option]:
+    """``_candidates``, computed once per rule, tensor shapes, dtypes and shardings."""
+    known = self._signatures.get(id(c))
+    if known is None:  # propagation shares equal ops' rules
+      tensors = c.tensors()
+      known = self._signatures[id(c)] = (id(c.rule), tuple(
+          None if v is None else (v.shape, v.dtype) for v in tensors)), tensors
+    signature, tensors = known
+    key = (signature, tuple(None if v is None else shardings[v] for v in tensors))
+    options = self._options.get(key)
+    if options is None:
+      options = self._options[key] = self._candidates(c, shardings)
+    return options
 
   def _candidates(self, c: Constraint, shardings: Mapping[Value, TensorSharding]
                   ) -> list[_Option]:

@@ -33,6 +33,7 @@ from spmd.partition.propagate import Constraint
 from spmd.partition.rules.factors import FactorKind
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
+from spmd.partition.sum_trees import SumTrees, sum_trees
 from spmd.partition.trips import Trips, region_trips
 
 
@@ -138,7 +139,7 @@ class ProgramFacts:
 
   by_op: Mapping[int, list[Constraint]]
   partial_ok: Mapping[Value, bool]
-  summed_with: Mapping[Value, int]
+  sums: SumTrees
   names: Mapping[Value, tuple[Value, ...]]
   duplicates: Mapping[Op, Op]
 
@@ -150,7 +151,7 @@ def program_facts(program: Program, constraints: list[Constraint],
   for c in constraints:
     by_op.setdefault(c.op.index, []).append(c)
   partial_ok = _partial_ok(program, by_op, duplicates, program.value_depths)
-  return ProgramFacts(by_op, partial_ok, _summed_with(program, by_op, partial_ok),
+  return ProgramFacts(by_op, partial_ok, sum_trees(program, by_op, partial_ok),
                       _names(program, duplicates), duplicates)
 
 
@@ -160,7 +161,8 @@ class _Scheduler:
     self.shardings, self.mesh, self.wire = shardings, executions.mesh, executions.wire
     self.duplicates, self.by_op = facts.duplicates, facts.by_op
     self.partial_ok, self.names = facts.partial_ok, facts.names
-    self.summed_with = lambda v: facts.summed_with.get(v, 1)
+    self.summed_with = lambda v: facts.sums.sharing(v, self._may_be_partial)
+    self._partial_executions: dict[Value, bool] = {}
     self.scopes = program.value_depths
     self.forms: dict[Value, list[TensorSharding]] = {}
     self.aliases: dict[Value, Value] = {}
@@ -175,6 +177,18 @@ class _Scheduler:
                          for x in r.outputs if isinstance(x, Value))
 
   # --- forms ------------------------------------------------------------------------------------
+
+  def _may_be_partial(self, v: Value, op: Op) -> bool:
+    """Whether ``v``, the result of ``op``, was made a pending partial sum, or, not made yet,
+    some execution of ``op`` leaves it one."""
+    forms = self.forms.get(v)
+    if forms is not None:
+      return bool(forms[0].partial)
+    if v not in self._partial_executions:
+      (c,) = self.by_op[op.index]
+      self._partial_executions[v] = self.executions.may_leave_partial(
+          c, self.shardings, op.outputs.index(v))
+    return self._partial_executions[v]
 
   def _best(self, v: Value, dst: TensorSharding, sole_reader: bool = False
             ) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
@@ -453,48 +467,6 @@ def _partial_ok(program: Program, by_op: dict[int, list[Constraint]],
     if isinstance(x, Value):
       ok[names.get(x, x)] = False
   return ok
-
-
-def _summed_with(program: Program, by_op: Mapping[int, list[Constraint]],
-                 partial_ok: Mapping[Value, bool]) -> dict[Value, int]:
-  """For a result of a sum-reduction (a dot, reduce_sum) that a tree of adds sums with others
-  before anything else reads it: how many such results the tree adds. Left pending, their partial
-  sums flow through the adds and are reduced once, at the tree's root."""
-  def rule(op: Op):
-    return None if op.regions else by_op[op.index][0].rule
-
-  def sum_reduction(op: Op) -> bool:
-    r = rule(op)
-    return (r is not None and r.combiner == "sum"
-            and any(k is FactorKind.REDUCTION for k in r.kinds))
-
-  def summed_into(v: Value) -> Op | None:
-    """The add that sums ``v`` (maybe transposed or reshaped on the way), read by nothing else."""
-    while True:
-      readers = program.reads.get(v, ())
-      if not partial_ok.get(v, False) or len(readers) != 1:
-        return None
-      (reader, k), r = readers[0], rule(readers[0][0])
-      if r is None or k not in r.linear_in:
-        return None
-      if r.additive:
-        return reader
-      if len(reader.inputs) != 1 or len(reader.outputs) != 1:
-        return None
-      v = reader.outputs[0]
-
-  roots: dict[Value, Op] = {}
-  for op, _ in program.nested_ops:
-    if sum_reduction(op) and len(op.outputs) == 1:
-      add = root = summed_into(op.outputs[0])
-      while add is not None:
-        root, add = add, summed_into(add.outputs[0])
-      if root is not None:
-        roots[op.outputs[0]] = root
-  sizes: dict[Op, int] = {}
-  for v, add in roots.items():
-    sizes[add] = sizes.get(add, 0) + 1
-  return {v: sizes[add] for v, add in roots.items() if sizes[add] > 1}
 
 
 def _kind(op: Op, shardings: Mapping[Value, TensorSharding]) -> Hashable | None:
