@@ -431,7 +431,7 @@ def logsumexp_with_weights_sharded_across_the_operand():
 
 XFAIL: dict[Callable, str] = {
     logsumexp_with_weights_sharded_across_the_operand: (
-        "logsumexp of f32[8,16] P('a','b') weighted by b P('b') moves 352 B and returns P('b') "
+        "logsumexp of f32[8,16] P('a','b') weighted by b P('b') moves 352 B and returns P() "
         "where XLA moves 160 B and jax.jit returns P('a') (docs/ARCHITECTURE.md, Known gaps)"),
 }
 
