@@ -30,7 +30,6 @@ from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import PrimitiveInfo, describe
 from spmd.partition.propagate import Constraint
-from spmd.partition.rules.factors import FactorKind
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 from spmd.partition.sum_trees import SumTrees, sum_trees

@@ -29,19 +29,19 @@ class SumTrees:
       return 1
     known: dict[Op, int | None] = {}
 
+    def term(x: Value | Op | None) -> int | None:
+      """The partial sums a term holds, or None if it is not one."""
+      if isinstance(x, Op):
+        return leaves(x)
+      if x is not None and (x is v or partial(x, self.made_by[x])):
+        return 1
+      return None
+
     def leaves(add: Op) -> int | None:
       """The partial sums under ``add``, or None if one of its terms is not one."""
       if add not in known:
-        fed, count = self.terms[add], 0
-        for k in self.linear[add]:
-          x = fed.get(k)
-          n = (None if x is None else leaves(x) if isinstance(x, Op)
-               else 1 if x is v or partial(x, self.made_by[x]) else None)
-          if n is None:
-            count = None
-            break
-          count += n
-        known[add] = count
+        counts = [term(self.terms[add].get(k)) for k in self.linear[add]]
+        known[add] = None if None in counts else sum(counts)
       return known[add]
 
     shared = 1
