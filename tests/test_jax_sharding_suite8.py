@@ -441,8 +441,6 @@ def scalar_outputs_with_out_specs_replicated():
   check_jit(f, (X, I), (P("a", "b"), P("b", "a")), MESH, (P(), P(), P()))
 
 
-# --- known gaps (docs/ARCHITECTURE.md) ----------------------------------------------------------
-
 @case
 def open_outputs_of_top_k_variadic_reduce_and_prod_along_a_sharded_dim():
   def f(x):
@@ -452,17 +450,14 @@ def open_outputs_of_top_k_variadic_reduce_and_prod_along_a_sharded_dim():
   check_jit(f, (X,), P("a", "b"), MESH)
 
 
+# --- known gaps (docs/ARCHITECTURE.md) ----------------------------------------------------------
+
 @case
 def erf_as_an_open_output():
   check_jit(jsp.special.erf, (X,), P("a", "b"), MESH)
 
 
-XFAIL: dict[Callable, str] = {
-    open_outputs_of_top_k_variadic_reduce_and_prod_along_a_sharded_dim: (
-        "an open output of top_k along dim 1 of f32[8,16] P('a','b') comes back with that dim's "
-        "axes moved to dim 0, P(('a','b')), where jax.jit returns P('a'); the variadic reduce "
-        "and the prod come back as jax.jit's (docs/ARCHITECTURE.md, Known gaps)"),
-}
+XFAIL: dict[Callable, str] = {}
 if jax.__version_info__ < (0, 12):  # jax 0.12's Shardy has a rule for chlo.erf: P('a','b') too
   XFAIL[erf_as_an_open_output] = (
       "jax.jit returns erf of f32[8,16] P('a','b') replicated, P(), gathering 384 B: Shardy "

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
-                     check_jit, check_plan, is_spec, named, randn)
+                     check_jit, check_plan, is_spec, named, randn, xla_bytes)
 
 MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
           "1x8": {"data": 1, "model": 8}, "2x2x2": {"data": 2, "model": 2, "seq": 2}}
@@ -681,11 +681,31 @@ ALONG_A_DIM: dict[str, Callable] = {
 def test_ops_along_a_sharded_dim_return_jax_jits_shardings(op):
   """A scan or an arg/variadic reduction along a sharded dim whose result is an open output comes
   back as from jax.jit (Shardy's propagation: a scanned dim keeps its axes, a reduced one loses
-  them), although the op may run with those axes moved to another dim (a sort, top_k and an FFT
-  do not yet: Known gaps)."""
+  them), although the op may run with those axes moved to another dim (a sort and an FFT do not
+  yet: Known gaps)."""
   x = randn(8, 16)
   for spec in (P("a", None), P("a", "b"), P(None, "a"), P(("a", "b"), None)):
     check_jit(ALONG_A_DIM[op], (x,), spec, "a2b4")
+
+
+TOP_K: dict[str, Callable] = {
+    "top_k": lambda x: jax.lax.top_k(x, 3),
+    "top_k_of_columns": lambda x: jax.lax.top_k(x.T, 3),
+    "approx_max_k": lambda x: jax.lax.approx_max_k(x, 3),
+}
+
+
+@pytest.mark.parametrize("mesh", ["a2b4", "a2b2c2"])
+@pytest.mark.parametrize("op", list(TOP_K))
+def test_top_k_along_a_sharded_dim_returns_jax_jits_sharding(op, mesh):
+  """The top k along a sharded dim: its open outputs lose that dim's axes, as jax.jit's (the k
+  values are another factor), though the op may run with the axes moved to another dim (an
+  all-to-all, then gathering the k values back); no more bytes than XLA's partitioner."""
+  x = randn(8, 16)
+  for spec in (P("a", None), P("a", "b"), P(None, "a"), P(("a", "b"), None),
+               P(None, ("a", "b"))):
+    plan = check_jit(TOP_K[op], (x,), spec, mesh)
+    assert plan.total_bytes <= xla_bytes(TOP_K[op], (x,), spec, mesh), plan.explain()
 
 
 def test_a_sort_along_an_unsharded_dim_is_spelled_as_jax_jit_spells_it():

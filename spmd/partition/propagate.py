@@ -384,14 +384,16 @@ class _Engine:
 
   def _relocate(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
                 merged: dict[int, tuple[Axes, _Candidate]], used: set[str]) -> None:
-    """The axes of a factor the op needs whole go to the first pass factor they split evenly
-    (a sort's result takes the form XLA's partitioner sorts in: the axes moved by an
-    all-to-all). A reduction the op combines itself (argmax, prod, a variadic reduce, a scan's
-    totals) moves nothing here: its result takes Shardy's sharding, as jax.jit's, and only its
-    execution may move the axes (and the result back)."""
+    """The axes of a factor the op needs whole and returns go to the first pass factor they
+    split evenly (a sort's result takes the form XLA's partitioner sorts in: the axes moved by an
+    all-to-all). Top_k (whose k values are another factor) and a reduction the op combines itself
+    (argmax, prod, a variadic reduce, a scan's totals) move nothing here: the result takes
+    Shardy's sharding, as jax.jit's, and only the execution may move the axes (and the result
+    back)."""
+    returned = rule.result_factors()
     for f, cands in candidates.items():
       best = min((x for x in cands if x.axes), key=_Candidate.priority, default=None)
-      if rule.kinds[f] is not FactorKind.NEED_REPLICATION or best is None:
+      if rule.kinds[f] is not FactorKind.NEED_REPLICATION or best is None or f not in returned:
         continue
       moved = prefix_without(best.axes, used)
       for g, kind in enumerate(rule.kinds):
