@@ -65,11 +65,16 @@ class Op:
     """Primitive and params as ``cse_key`` compares them (None for ops never merged). An op
     with regions (a loop, a cond) merges when every op of its regions would: its params hold
     its jaxprs, equal only when they are one traced function (a jitted helper called twice, as
-    ``jnp.lcm`` calls ``jnp.gcd``), which XLA's CSE merges too."""
+    ``jnp.lcm`` calls ``jnp.gcd``), which XLA's CSE merges too. A reshape in effect is keyed by
+    its result's type alone: ``x[:, :, None]`` and ``x.reshape(8, 4, 1)`` are one reshape once
+    XLA's simplifier has run, and its CSE merges them and what reads them."""
     info = describe(self.eqn.primitive)
     if self.eqn.effects or (info is not None and info.stateful) or any(
         op.merge_params is None for region in self.regions for op in region.ops):
       return None
+    if reshapes_in_effect(self) and not any(names_mesh_axes(self.params.get(k))
+                                            for k in SHARDING_PARAMS):
+      return "reshape in effect", self.outputs[0].aval.str_short()
     params = _canonical_slice(self) if self.primitive == "slice" else dict(self.params)
     if info is None or info.annotation is None:
       params.update({k: None for k in SHARDING_PARAMS
@@ -630,9 +635,9 @@ def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
   x = op.inputs[0]
   if len(op.params["axes"]) != len(x.shape):
     return None
-  primitive, params = op.merge_params
-  rest = tuple((k, v) for k, v in params if k != "axes")
-  return "full reduction", primitive, rest, relaid.get(x, x).id
+  rest = tuple((k, v) for k, v in sorted(op.params.items())
+               if k != "axes" and k not in SHARDING_PARAMS)  # a scalar's: it names no axes
+  return "full reduction", op.primitive, rest, relaid.get(x, x).id
 
 
 def reshapes_in_effect(op: Op) -> bool:
