@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -81,21 +82,23 @@ def _sort_in_a_loop(x, w):
 
 
 def test_a_hoisted_gather_of_a_whole_dim_is_still_reported():
-  """A sort in the body needs dim 0 of both its operands whole, and dim 1 (3 columns) cannot
-  take the 8 devices: the invariant keys are gathered before the loop, the carry in every
-  trip, and the plan warns about both."""
-  plan = assert_partitioned_matches(_sort_in_a_loop, (randn(8, 3), randn(8, 3, seed=1)),
+  """A sort in the body needs dim 0 of both its operands whole, and they have no other dim: the
+  invariant keys are gathered before the loop, the carry in every trip, and the plan warns
+  about both."""
+  plan = assert_partitioned_matches(_sort_in_a_loop, (randn(8), randn(8, seed=1)),
                                     (P("x"), P("x")), "x8")
   assert sorted(c.trips for c in plan.collectives if c.kind == "all-gather") == [1, 3]
   whole = [w for w in plan.warnings if "needs dim 0 of operand" in w]
   assert len(whole) == 2, plan.warnings
 
 
-def test_a_sorted_dims_axis_moves_to_another_dim_before_and_inside_the_loop():
-  """Where dim 1 (16 columns) can take the 8 devices, the sort's axis moves there by an
-  all-to-all instead: the invariant keys' once before the loop, the carry's in every trip (and
-  back to the carry's form), nothing gathered."""
-  plan = assert_partitioned_matches(_sort_in_a_loop, (randn(8, 16), randn(8, 16, seed=1)),
+@pytest.mark.parametrize("columns", [16, 3])
+def test_a_sorted_dims_axis_moves_to_another_dim_before_and_inside_the_loop(columns):
+  """Where dim 1 can take the 8 devices, evenly (16 columns) or padded (3), the sort's axis
+  moves there by an all-to-all instead: the invariant keys' once before the loop, the carry's
+  in every trip (and back to the carry's form), nothing gathered."""
+  plan = assert_partitioned_matches(_sort_in_a_loop, (randn(8, columns),
+                                                      randn(8, columns, seed=1)),
                                     (P("x"), P("x")), "x8")
   assert sorted((c.kind, c.trips) for c in plan.collectives) == [
       ("all-to-all", 1), ("all-to-all", 3), ("all-to-all", 3)], plan.explain()

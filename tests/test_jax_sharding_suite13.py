@@ -424,10 +424,6 @@ XFAIL: dict[Callable, str] = {
         "x's free dim i and y's contracted dim j; spmd keeps it on j (an all-to-all and an "
         "all-reduce, 288 B) and returns P('a'), where jax.jit keeps it on i and returns P('a','b') "
         "(XLA 512 B) (Known gaps)"),
-    vjp_of_sort_along_a_sharded_dim: (
-        "the sorted values of f32[8,16] P('a','b') along dim 1 come back as P(('a','b')), the "
-        "form propagation gave the sort, where jax.jit returns P('a','b'): the open sort output "
-        "of Known gaps (its cotangent matches)"),
 }
 
 

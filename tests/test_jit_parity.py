@@ -681,14 +681,19 @@ ALONG_A_DIM: dict[str, Callable] = {
 def test_ops_along_a_sharded_dim_return_jax_jits_shardings(op):
   """A scan or an arg/variadic reduction along a sharded dim whose result is an open output comes
   back as from jax.jit (Shardy's propagation: a scanned dim keeps its axes, a reduced one loses
-  them), although the op may run with those axes moved to another dim (a sort and an FFT do not
-  yet: Known gaps)."""
+  them), although the op may run with those axes moved to another dim (an FFT does not yet:
+  Known gaps)."""
   x = randn(8, 16)
   for spec in (P("a", None), P("a", "b"), P(None, "a"), P(("a", "b"), None)):
     check_jit(ALONG_A_DIM[op], (x,), spec, "a2b4")
 
 
-TOP_K: dict[str, Callable] = {
+SORTED: dict[str, Callable] = {
+    "sort": lambda x: jnp.sort(x, axis=1),
+    "sort_of_rows": lambda x: jnp.sort(x, axis=0),
+    "argsort": lambda x: jnp.argsort(x, axis=1),
+    "sort_by_a_key": lambda x: jax.lax.sort((x, x * 2), dimension=1, num_keys=1)[1],
+    "sum_of_a_sort": lambda x: jnp.sort(x, axis=1).sum(1),
     "top_k": lambda x: jax.lax.top_k(x, 3),
     "top_k_of_columns": lambda x: jax.lax.top_k(x.T, 3),
     "approx_max_k": lambda x: jax.lax.approx_max_k(x, 3),
@@ -696,16 +701,18 @@ TOP_K: dict[str, Callable] = {
 
 
 @pytest.mark.parametrize("mesh", ["a2b4", "a2b2c2"])
-@pytest.mark.parametrize("op", list(TOP_K))
-def test_top_k_along_a_sharded_dim_returns_jax_jits_sharding(op, mesh):
-  """The top k along a sharded dim: its open outputs lose that dim's axes, as jax.jit's (the k
-  values are another factor), though the op may run with the axes moved to another dim (an
-  all-to-all, then gathering the k values back); no more bytes than XLA's partitioner."""
+@pytest.mark.parametrize("op", list(SORTED))
+def test_sorts_and_top_k_along_a_sharded_dim_return_jax_jits_shardings(op, mesh):
+  """A sort or top k along a sharded dim: its open outputs come back as jax.jit's (Shardy's
+  rules: a sorted dim keeps its axes, the result sliced from the sorted whole; top_k's k values
+  are another factor and take none), though the op may run with the axes moved to another dim
+  (an all-to-all, and one back); an iota payload (argsort's) is made in any form, and a sorted
+  operand nothing reads is not moved back; no more bytes than XLA's partitioner."""
   x = randn(8, 16)
   for spec in (P("a", None), P("a", "b"), P(None, "a"), P(("a", "b"), None),
                P(None, ("a", "b"))):
-    plan = check_jit(TOP_K[op], (x,), spec, mesh)
-    assert plan.total_bytes <= xla_bytes(TOP_K[op], (x,), spec, mesh), plan.explain()
+    plan = check_jit(SORTED[op], (x,), spec, mesh)
+    assert plan.total_bytes <= xla_bytes(SORTED[op], (x,), spec, mesh), plan.explain()
 
 
 def test_a_sort_along_an_unsharded_dim_is_spelled_as_jax_jit_spells_it():

@@ -93,8 +93,8 @@ class ExecutionPlanner:
   def reshard(self, v: Value, src: TensorSharding, dst: TensorSharding
               ) -> tuple[ReshardStep, ...]:
     """The steps that make ``v`` available as ``dst`` from ``src`` (reshard.py), planned once;
-    a value of ``splats`` (a broadcast of a literal) is made anew in any form without partial
-    sums."""
+    a value of ``splats`` (a broadcast of a literal, an iota) is made anew in any form without
+    partial sums."""
     if v in self.splats and not src.partial and not dst.partial:
       return (Splat(axes=(), before=src, after=dst, fill=self.splats[v], shape=v.shape,
                     itemsize=v.dtype.itemsize, mesh=self.mesh),)
@@ -112,17 +112,19 @@ class ExecutionPlanner:
                       self.reshard(v, src, dst))
 
   def plan(self, c: Constraint, shardings: Mapping[Value, TensorSharding], price: Price,
-           summed_with: Callable[[Value], int] = lambda v: 1) -> Execution:
-    """The cheapest execution of ``c``: the bytes of its own gather, its results' reshards and
-    its operands' (``price``). A result left as a pending partial sum that ``summed_with`` other
-    such sums (an add of several dots' partial results) is reduced once for all of them, so its
-    reduction is priced at its share."""
+           summed_with: Callable[[Value], int] = lambda v: 1,
+           read: Callable[[Value], bool] = lambda v: True) -> Execution:
+    """The cheapest execution of ``c``: the bytes of its own gather, its results' reshards (of
+    those ``read``: a result nothing reads is never resharded) and its operands' (``price``). A
+    result left as a pending partial sum that ``summed_with`` other such sums (an add of several
+    dots' partial results) is reduced once for all of them, so its reduction is priced at its
+    share."""
     options = self._options_of(c, shardings)
     if len(options) == 1:
       best = options[0].execution
     else:  # of equally cheap options, the first whose own gather moves least (an operand's
       # reshard makes a form later readers share; an op's own gather serves it alone)
-      best = min(options, key=lambda o: (o.cost(c.results, summed_with) + sum(
+      best = min(options, key=lambda o: (o.cost(c.results, summed_with, read) + sum(
           price(v, need) for v, need in zip(c.operands, o.execution.needs)
           if need is not None), o.gathered)).execution
     if best.constraint is c:
@@ -205,10 +207,12 @@ class _Option:
   gathered: int
   result_bytes: tuple[int, ...]
 
-  def cost(self, results: tuple[Value | None, ...], summed_with: Callable[[Value], int]) -> int:
+  def cost(self, results: tuple[Value | None, ...], summed_with: Callable[[Value], int],
+           read: Callable[[Value], bool]) -> int:
     return self.gathered + sum(
         moved // summed_with(v) if made is not None and made.partial else moved
-        for v, made, moved in zip(results, self.execution.produces, self.result_bytes))
+        for v, made, moved in zip(results, self.execution.produces, self.result_bytes)
+        if v is not None and read(v))
 
 
 def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape,

@@ -13,6 +13,7 @@ from spmd.partition.cse import Duplicates
 from spmd.partition.execution import ExecutionPlanner
 from spmd.partition.ir import Literal, Program, Value
 from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
+from spmd.partition.reshard import IotaFill
 from spmd.partition.rendering import render_plan
 from spmd.partition.repeats import mark_repeats
 from spmd.partition.schedule import ProgramFacts, Schedule, program_facts, schedule
@@ -56,11 +57,17 @@ class Scheduled:
   wanted: tuple[TensorSharding, ...]
 
 
-def literal_broadcasts(program: Program) -> dict[Value, Any]:
-  """The values made by a broadcast of a literal, each by the literal's value: made anew in the
-  form an op reads (XLA folds a collective of such a broadcast into a broadcast)."""
-  return {op.outputs[0]: op.inputs[0].val for op in program.all_ops()
-          if op.primitive == "broadcast_in_dim" and isinstance(op.inputs[0], Literal)}
+def made_anywhere(program: Program) -> dict[Value, Any]:
+  """The values every device can make itself, each by its Splat fill: a broadcast of a literal
+  (the literal's value) and an iota (IotaFill). They are made anew in the form an op reads (XLA
+  folds a collective of such a value into the value)."""
+  made: dict[Value, Any] = {}
+  for op in program.all_ops():
+    if op.primitive == "broadcast_in_dim" and isinstance(op.inputs[0], Literal):
+      made[op.outputs[0]] = op.inputs[0].val
+    elif op.primitive == "iota":
+      made[op.outputs[0]] = IotaFill(op.params["dimension"])
+  return made
 
 
 class Planner:
@@ -77,7 +84,7 @@ class Planner:
     self.program, self.mesh = program, mesh
     self.backend, self.name, self.in_tree, self.out_tree = backend, name, in_tree, out_tree
     self.propagator = Propagator(program, mesh)
-    self.executions = ExecutionPlanner(mesh, wire_for(platform), literal_broadcasts(program))
+    self.executions = ExecutionPlanner(mesh, wire_for(platform), made_anywhere(program))
     self.trips = trip_counts(program)
     self.duplicates = Duplicates(program)
     self.annotations = annotation_seeds(program, mesh, resolve)

@@ -340,7 +340,8 @@ class _Engine:
              ) -> dict[int, tuple[Axes, _Candidate]]:
     chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
-      if rule.kinds[f] in (FactorKind.NEED_REPLICATION, FactorKind.PERMUTATION):
+      if rule.kinds[f] is FactorKind.PERMUTATION or (
+          rule.kinds[f] is FactorKind.NEED_REPLICATION and not _kept(rule, f)):
         continue
       ranked = sorted((x for x in cands if x.axes), key=_Candidate.priority)
       if not ranked:
@@ -378,31 +379,7 @@ class _Engine:
       keep = prefix_without(axes, used)
       used.update(keep)
       merged[f] = (keep, best)
-    if rule.relocatable:
-      self._relocate(rule, candidates, merged, used)
     return merged
-
-  def _relocate(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
-                merged: dict[int, tuple[Axes, _Candidate]], used: set[str]) -> None:
-    """The axes of a factor the op needs whole and returns go to the first pass factor they
-    split evenly (a sort's result takes the form XLA's partitioner sorts in: the axes moved by an
-    all-to-all). Top_k (whose k values are another factor) and a reduction the op combines itself
-    (argmax, prod, a variadic reduce, a scan's totals) move nothing here: the result takes
-    Shardy's sharding, as jax.jit's, and only the execution may move the axes (and the result
-    back)."""
-    returned = rule.result_factors()
-    for f, cands in candidates.items():
-      best = min((x for x in cands if x.axes), key=_Candidate.priority, default=None)
-      if rule.kinds[f] is not FactorKind.NEED_REPLICATION or best is None or f not in returned:
-        continue
-      moved = prefix_without(best.axes, used)
-      for g, kind in enumerate(rule.kinds):
-        have, source = merged.get(g, ((), best))
-        if moved and kind is FactorKind.PASS and rule.sizes[g] % math.prod(
-            self.mesh[a] for a in have + moved) == 0:
-          merged[g] = (have + moved, source)
-          used.update(moved)
-          break
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
              rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
@@ -435,6 +412,14 @@ class _Engine:
         continue
       dims[d] = old + added
       writes.append(_Write(part, d, dims[d], None if source is None else source.part))
+
+
+def _kept(rule: OpShardingRule, f: int) -> bool:
+  """A factor the op needs whole keeps its axes through propagation where the op returns it and
+  has another factor (a sort's sorted dim, as Shardy's rule for sort: the op gathers it and its
+  result is sliced back)."""
+  return (rule.relocatable and f in rule.result_factors()
+          and any(k is FactorKind.PASS for k in rule.kinds))
 
 
 def _tied_axes(ranked: list[_Candidate], rule: OpShardingRule) -> Axes:

@@ -744,10 +744,18 @@ class DynamicSlice(_Split):
     return lax.dynamic_slice_in_dim(x, shard_index(self.axes) * size, size, self.dim)
 
 
+@dataclass(frozen=True)
+class IotaFill:
+  """The elements of an iota: each its index along ``dimension``."""
+
+  dimension: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Splat(ReshardStep):
-  """Makes ``after``'s block of a value whose elements all equal ``fill`` (a broadcast of a
-  literal) anew: local, no communication, as XLA folds a collective of such a broadcast."""
+  """Makes ``after``'s block of a value every device can make itself anew: one whose elements
+  all equal ``fill`` (a broadcast of a literal) or an iota (``fill`` an IotaFill). Local, no
+  communication, as XLA folds a collective of such a value."""
 
   kind: ClassVar[str] = "splat"
   communicates: ClassVar[bool] = False
@@ -757,8 +765,12 @@ class Splat(ReshardStep):
     return self.run(jnp.empty(self.after.local_shape(shape, mesh), x.dtype), mesh)
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    """A block of ``x``'s shape, filled."""
-    return jnp.full_like(x, self.fill)
+    """``after``'s block, of ``x``'s shape and dtype."""
+    if not isinstance(self.fill, IotaFill):
+      return jnp.full_like(x, self.fill)
+    d = self.fill.dimension
+    first = shard_index(self.after.dims[d]) * x.shape[d]
+    return lax.broadcasted_iota(x.dtype, x.shape, d) + first.astype(x.dtype)
 
 
 def pad_to(x: jax.Array, shape: Shape) -> jax.Array:

@@ -263,6 +263,11 @@ class _Scheduler:
     options = [(s, self.executions.sub_blocks(v, s, dst)) for s in self.forms[v]]
     return [(s, steps) for s, steps in options if steps is not None]
 
+  def _read(self, v: Value) -> bool:
+    """Whether anything reads ``v`` by any of its names, or returns it."""
+    names = self.names.get(v, (v,))
+    return any(self.reads.get(n) or self.returned[n] for n in names)
+
   def _sole_reader(self, v: Value, reader: Op | None) -> bool:
     """Whether ``reader`` (None: an output) reading ``v`` once is all that reads it by any of its
     names: annotations and repeated ops, which name it, aside. A reshard passing through no
@@ -293,7 +298,7 @@ class _Scheduler:
     if info is not None and info.manual is not None:
       return self.manual(op, c, info)
     ex = self._in_pending_layout(op, self.executions.plan(
-        c, self.shardings, self.shared_price(op), self.summed_with))
+        c, self.shardings, self.shared_price(op), self.summed_with, self._read))
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:

@@ -42,8 +42,8 @@ class OpShardingRule:
   gathers: tuple[Any, ...] = ()
   # The axes of a factor the op needs whole (or combines itself) may move to a pass factor instead
   # (an all-to-all before the op), as XLA sorts along a sharded dim; every tensor holding such a
-  # factor holds every pass factor. Propagation gives a sort's result that form; top_k's and a
-  # reduction's (argmax, prod, a scan's) result take Shardy's sharding, as jax.jit's outputs.
+  # factor holds every pass factor. Propagation gives the results Shardy's sharding, as jax.jit's
+  # outputs (a sort's sorted dim keeps its axes: propagate._kept).
   relocatable: bool = False
   # A loop carry's link: the tensors (by position) outside the loop, its init and result. Each is
   # resharded once whatever the carry is, so it ranks after the body's input and output, closed or
