@@ -74,7 +74,8 @@ class Op:
       return None
     if reshapes_in_effect(self) and not any(names_mesh_axes(self.params.get(k))
                                             for k in SHARDING_PARAMS):
-      return "reshape in effect", self.outputs[0].aval.str_short()
+      out = self.outputs[0].aval
+      return "reshape in effect", out.shape, out.dtype, out.weak_type
     params = _canonical_slice(self) if self.primitive == "slice" else dict(self.params)
     if info is None or info.annotation is None:
       params.update({k: None for k in SHARDING_PARAMS
