@@ -432,14 +432,6 @@ XFAIL: dict[Callable, str] = {
         "where jax.jit returns P('a'): JAX lowers the fifth step after the loop (unrolled twice), "
         "and that dot's result is P('a') (with unroll 1 jax.jit returns P('a','b')); 816 B, XLA "
         "800 B (docs/ARCHITECTURE.md, Known gaps)"),
-    outer_indexing_by_two_broadcast_index_arrays_of_sharded_dims: (
-        "x[i[:, None], j[None, :]] of f32[8,16] P('a','b'), i P('a'), j P('b'): spmd sums masked "
-        "partial gathers and returns P() (384 B for both outputs) where jax.jit keeps the "
-        "indices' P('a','b') (XLA 1280 B) (Known gaps)"),
-    at_get_in_clip_mode_by_indices_sharded_like_the_rows: (
-        "x.at[i].get(mode='clip') of f32[8,16] P('a','b'), i int32[6] P('a'): spmd sums masked "
-        "partial gathers (24 + 96 B) and returns P(None,'b') where jax.jit returns P('a','b') "
-        "(XLA 120 B; gathering x's rows would move 128 B) (Known gaps)"),
     outer_sum_of_a_rank_three_and_a_rank_two_operand_sharded_on_other_dims: (
         "the sum's dim 1 is x's 'b' and y's 'a', met on values of two sizes (f32[4,8,1,1] and "
         "f32[1,8,1,16]): the larger one's axis wins where Shardy keeps their common prefix: spmd "

@@ -418,13 +418,7 @@ def inverse_and_matrix_power_over_a_batch_sharded_on_one_axis():
   check_jit(f, (a,), P("b"), MESH)
 
 
-XFAIL: dict[Callable, str] = {
-    ellipsis_contraction_whose_free_and_contracted_dims_hold_one_axis: (
-        "einsum '...ij,...jk' of f32[1,4,8] P(None,'b') and f32[8,8,4] P('a','b'): 'b' names "
-        "x's free dim i and y's contracted dim j; spmd keeps it on j (an all-to-all and an "
-        "all-reduce, 288 B) and returns P('a'), where jax.jit keeps it on i and returns P('a','b') "
-        "(XLA 512 B) (Known gaps)"),
-}
+XFAIL: dict[Callable, str] = {}
 
 
 @pytest.mark.parametrize("run", CASES.params(XFAIL))

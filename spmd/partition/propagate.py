@@ -14,7 +14,9 @@ Policy (deterministic), per factor:
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
      reduction, then the earlier tensor, closed or open (as Shardy's, so `sin(x) @ c` with x
-     P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does).
+     P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does). An axis a reduction factor
+     takes stays free on the op's results, which the op sums over it: a factor that lost it to
+     the reduction still writes it to open results (the partial results are reduce-scattered).
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
 Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
@@ -158,6 +160,17 @@ class _Dropped:
   kept_part: int
   dropped: Axes
   dropped_part: int
+
+
+@dataclass(frozen=True)
+class _Merged:
+  """A factor's axes on the op (``axes``) and on its results (``on_results``: also the axes a
+  reduction factor of the op took from it, which the op sums over, so its results are free to
+  hold them: the partial results are reduce-scattered), and the candidate they came from."""
+
+  axes: Axes
+  on_results: Axes
+  best: _Candidate
 
 
 @dataclass(frozen=True)
@@ -329,15 +342,14 @@ class _Engine:
     conflicts: list[_Dropped] = []
     merged = self._merge(rule, candidates, conflicts, _result_sizes(rule, parts))
     writes: list[_Write] = []
-    if any(axes for axes, _ in merged.values()):
+    if any(m.axes or m.on_results for m in merged.values()):
       for part, (_, v, tf, _) in enumerate(parts):
         self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes,
                     result=parts[part][0] >= len(rule.operands))
     return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
-             conflicts: list[_Dropped], result_sizes: Mapping[int, int]
-             ) -> dict[int, tuple[Axes, _Candidate]]:
+             conflicts: list[_Dropped], result_sizes: Mapping[int, int]) -> dict[int, _Merged]:
     chosen: list[tuple[bool, int, Axes, _Candidate]] = []
     for f, cands in candidates.items():
       if rule.kinds[f] is FactorKind.PERMUTATION or (
@@ -361,7 +373,8 @@ class _Engine:
               conflicts.append(_Dropped(f, axes, other.part, best.axes, best.part))
       chosen.append((not agreed, f, axes, best))
     used: set[str] = set()
-    merged: dict[int, tuple[Axes, _Candidate]] = {}
+    used_on_results: set[str] = set()  # the axes of the factors the results hold
+    merged: dict[int, _Merged] = {}
     # Between factors, the larger tensor's factor takes a contested mesh axis first: the op then
     # moves the smaller tensor. A factor's tensor is its candidate's, or a larger result holding
     # it (which loses the axis with it); a reduction factor reaches no result. Among tensors of
@@ -375,14 +388,21 @@ class _Engine:
       disagreed, f, _, best = t
       return (-max(best.size, result_sizes.get(f, 0)), disagreed,
               rule.kinds[f] is FactorKind.REDUCTION, -best.size, best.pos, f)
+    # A result's factor that lost an axis to a reduction factor the results lack (summed away)
+    # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
+    # returns P('a', 'b')).
+    summed_away = {f for f, k in enumerate(rule.kinds)
+                   if k is FactorKind.REDUCTION and f not in rule.result_factors()}
     for _, f, axes, best in sorted(chosen, key=order):
       keep = prefix_without(axes, used)
       used.update(keep)
-      merged[f] = (keep, best)
+      on_results = () if f in summed_away else prefix_without(axes, used_on_results)
+      used_on_results.update(on_results)
+      merged[f] = _Merged(keep, on_results, best)
     return merged
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
-             rule: OpShardingRule, merged: dict[int, tuple[Axes, _Candidate]],
+             rule: OpShardingRule, merged: dict[int, _Merged],
              writes: list[_Write], result: bool) -> None:
     """Writes the merged factors into the open dims of part ``part``. A result's dim merged from
     factors takes, of a factor split unevenly, the major axes that split it evenly: the op
@@ -394,7 +414,9 @@ class _Engine:
       new: list[str] = []
       source = None
       for f in factors:
-        axes, cand = merged.get(f, ((), None))
+        m = merged.get(f)
+        axes = () if m is None else m.on_results if result else m.axes
+        cand = None if m is None else m.best
         if len(factors) > 1 and rule.sizes[f] % math.prod(self.mesh[a] for a in axes):
           if not result:  # split unevenly in a merged dim: its padding would land inside it
             break
