@@ -756,6 +756,28 @@ def test_an_axis_an_op_sums_over_is_free_on_its_open_result(case):
     assert plan.total_bytes <= xla_bytes(fn, args, specs, "a2b4"), plan.explain()
 
 
+ELEMENTWISE_OF_TWO: dict[str, Callable] = {
+    "add": lambda x, y: x + y,
+    "sub_reversed": lambda x, y: y - x,
+    "greater": lambda x, y: x > y,
+    "where": lambda x, y: jnp.where(x > y, x, y),
+    "where_reversed": lambda x, y: jnp.where(x > y, y, x),
+    "maximum": lambda x, y: jnp.maximum(x, y),
+    "select_by_x": lambda x, y: jax.lax.select(x > 0, x, y),
+}
+
+
+@pytest.mark.parametrize("op", list(ELEMENTWISE_OF_TWO))
+def test_elementwise_operands_splitting_different_dims_over_one_axis(op):
+  """Two operands of one size wanting one mesh axis on different dims: the dim split more ways
+  keeps it (x P(None,'a') + y P(('a','b')) is P(('a','b')) whichever operand comes first), and
+  at equal ways the dim an earlier operand splits (a select's predicate first), as jax.jit's."""
+  x, y = randn(8, 16), randn(8, 16, seed=1)
+  for specs in ((P(("a", "b")), P(None, "a")), (P(None, "a"), P(("a", "b"))),
+                (P("a"), P(None, "a")), (P("b", "a"), P("a", "b"))):
+    check_jit(ELEMENTWISE_OF_TWO[op], (x, y), specs, "a2b4")
+
+
 def test_a_sort_along_an_unsharded_dim_is_spelled_as_jax_jit_spells_it():
   """Under set_mesh an output sharded like the first input takes that input's spelling only
   where its type carries the mesh; a sort's result type has none, so jax.jit trims it (P('a',),

@@ -13,8 +13,9 @@ Policy (deterministic), per factor:
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
-     reduction, then the earlier tensor, closed or open (as Shardy's, so `sin(x) @ c` with x
-     P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does). An axis a reduction factor
+     reduction, then the factor split more ways, then the one an earlier tensor holds, closed
+     or open (as Shardy's, so `sin(x) @ c` with x P('a') and c P(None, 'a') keeps the rows'
+     'a', as jax.jit does). An axis a reduction factor
      takes stays free on the op's results, which the op sums over it: a factor that lost it to
      the reduction still writes it to open results (the partial results are reduce-scattered).
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
@@ -371,7 +372,8 @@ class _Engine:
             conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
             if axes != best.axes:  # tied: the first loses its axes too
               conflicts.append(_Dropped(f, axes, other.part, best.axes, best.part))
-      chosen.append((not agreed, f, axes, best))
+      earliest = min(x.pos for x in ranked if _compatible(x.axes, axes))
+      chosen.append((not agreed, f, axes, best, earliest))
     used: set[str] = set()
     used_on_results: set[str] = set()  # the axes of the factors the results hold
     merged: dict[int, _Merged] = {}
@@ -382,18 +384,22 @@ class _Engine:
     # a tensor along that one whichever wins, so it yields the axis rather than make the op move
     # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
     # common axes), a pass factor before a reduction (whose partial result is summed later),
-    # then the larger candidate, then the earlier tensor, closed or open (as Shardy's: a closed
-    # tensor that loses an axis here is resharded for this op, never changed).
-    def order(t: tuple[bool, int, Axes, _Candidate]) -> tuple:
-      disagreed, f, _, best = t
+    # then the larger candidate, then the factor split more ways, then the one an earlier
+    # tensor holds, closed or open (as Shardy's: `x + y` of x P(None, 'a') and y P(('a', 'b'))
+    # is P(('a', 'b')), `jnp.where(x > y, x, y)` of x P('a') and y P(None, 'a') is the
+    # predicate's P('a'); a closed tensor that loses an axis here is resharded for this op,
+    # never changed).
+    def order(t: tuple[bool, int, Axes, _Candidate, int]) -> tuple:
+      disagreed, f, axes, best, earliest = t
       return (-max(best.size, result_sizes.get(f, 0)), disagreed,
-              rule.kinds[f] is FactorKind.REDUCTION, -best.size, best.pos, f)
+              rule.kinds[f] is FactorKind.REDUCTION, -best.size,
+              -math.prod(self.mesh[a] for a in axes), earliest, f)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
     # returns P('a', 'b')).
     summed_away = {f for f, k in enumerate(rule.kinds)
                    if k is FactorKind.REDUCTION and f not in rule.result_factors()}
-    for _, f, axes, best in sorted(chosen, key=order):
+    for _, f, axes, best, _ in sorted(chosen, key=order):
       keep = prefix_without(axes, used)
       used.update(keep)
       on_results = () if f in summed_away else prefix_without(axes, used_on_results)
@@ -442,6 +448,12 @@ def _kept(rule: OpShardingRule, f: int) -> bool:
   result is sliced back)."""
   return (rule.relocatable and f in rule.result_factors()
           and any(k is FactorKind.PASS for k in rule.kinds))
+
+
+def _compatible(a: Axes, b: Axes) -> bool:
+  """Whether one of ``a`` and ``b`` is a prefix of the other."""
+  n = min(len(a), len(b))
+  return a[:n] == b[:n]
 
 
 def _tied_axes(ranked: list[_Candidate], rule: OpShardingRule) -> Axes:
