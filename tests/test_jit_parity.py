@@ -778,6 +778,28 @@ def test_elementwise_operands_splitting_different_dims_over_one_axis(op):
     check_jit(ELEMENTWISE_OF_TWO[op], (x, y), specs, "a2b4")
 
 
+ONE_SIDED_CONTRACTIONS: dict[str, tuple[Callable, tuple, tuple]] = {
+    "transposed_lhs": (lambda x, y: x.T @ y, (randn(8, 16), randn(8, 16, seed=1)),
+                       (P("a", "b"), P())),
+    "rows_of_lhs": (lambda x, y: x @ y, (randn(8, 16), randn(16, 32, seed=1)),
+                    (P("b", "a"), P())),
+    "contracted_rhs": (lambda x, y: x @ y, (randn(16, 8), randn(8, 16, seed=1)),
+                       (P(), P("a", "b"))),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_SIDED_CONTRACTIONS))
+def test_a_dim_contracted_over_an_axis_only_one_operand_holds(case):
+  """A contracted dim split in one operand only: the op may slice the other operand and
+  all-reduce the result, or gather the split operand's dim; both are priced (x.T @ y of
+  f32[8,16] P('a','b') by a replicated y: x's 'a' gathered, 128 B, as XLA, where all-reducing
+  the f32[16,16] result moved 256 B). Where every operand holds the dim split (a data-parallel
+  gradient) the op reduces locally and sums (tests/test_plan.py)."""
+  fn, args, specs = ONE_SIDED_CONTRACTIONS[case]
+  plan = check_jit(fn, args, specs, "a2b4")
+  assert plan.total_bytes <= xla_bytes(fn, args, specs, "a2b4"), plan.explain()
+
+
 def test_a_sort_along_an_unsharded_dim_is_spelled_as_jax_jit_spells_it():
   """Under set_mesh an output sharded like the first input takes that input's spelling only
   where its type carries the mesh; a sort's result type has none, so jax.jit trims it (P('a',),

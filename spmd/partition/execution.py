@@ -182,6 +182,11 @@ class ExecutionPlanner:
                                         operands_first))
     if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
       choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
+    one_sided = _one_sided_reductions(c.rule, from_operands)
+    if one_sided:  # or those gathered where they would slice another operand and reduce the
+      # result (XLA's dot: x.T @ y of x P('a','b'), y P(), gathers x's 'a', 128 B, not 256 B)
+      choices.update(dict.fromkeys(_without_reductions(axes, c.rule, one_sided)
+                                   for axes in list(choices)))
     if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
       choices.update(dict.fromkeys(moved for axes in list(choices)
                                    for moved in _relocations(axes, c.rule, from_operands)))
@@ -305,8 +310,21 @@ def _factor_axes(c: Constraint, from_results: _Projected, from_operands: _Projec
   return tuple(final)
 
 
-def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule) -> tuple[Axes, ...]:
-  return tuple(() if k is FactorKind.REDUCTION else a for a, k in zip(axes, rule.kinds))
+def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule,
+                        only: frozenset[int] | None = None) -> tuple[Axes, ...]:
+  """``axes`` with the reduction factors (of ``only``, if given) unsharded."""
+  return tuple(() if k is FactorKind.REDUCTION and (only is None or f in only) else a
+               for f, (a, k) in enumerate(zip(axes, rule.kinds)))
+
+
+def _one_sided_reductions(rule: OpShardingRule, from_operands: _Projected) -> frozenset[int]:
+  """The reduction factors sharded in some operands holding them and whole in others. (Where
+  every operand holds one sharded, as a data-parallel gradient's batch, the op reduces locally
+  and sums: gathering them would repeat the op's work on every device.)"""
+  return frozenset(f for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
+                   and f in from_operands and len(from_operands[f]) > 1
+                   and any(a for _, a in from_operands[f])
+                   and not all(a for _, a in from_operands[f]))
 
 
 def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,
