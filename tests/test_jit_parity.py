@@ -767,15 +767,26 @@ ELEMENTWISE_OF_TWO: dict[str, Callable] = {
 }
 
 
-@pytest.mark.parametrize("op", list(ELEMENTWISE_OF_TWO))
-def test_elementwise_operands_splitting_different_dims_over_one_axis(op):
-  """Two operands of one size wanting one mesh axis on different dims: the dim split more ways
-  keeps it (x P(None,'a') + y P(('a','b')) is P(('a','b')) whichever operand comes first), and
-  at equal ways the dim an earlier operand splits (a select's predicate first), as jax.jit's."""
+OUTER_OF_TWO: dict[str, Callable] = {
+    "broadcast_add": lambda x, y: x[:, None, :] + y[None, :, :],
+    "broadcast_add_reversed": lambda x, y: y[None, :, :] + x[:, None, :],
+    "outer_einsum": lambda x, y: jnp.einsum("ij,kj->ikj", x, y),
+    "outer_einsum_reversed": lambda x, y: jnp.einsum("kj,ij->ikj", x, y),
+    "batch_first_einsum": lambda x, y: jnp.einsum("ij,kj->jik", x, y),
+}
+
+
+@pytest.mark.parametrize("op", list(ELEMENTWISE_OF_TWO) + list(OUTER_OF_TWO))
+def test_operands_splitting_different_dims_over_one_axis(op):
+  """Two operands of one size wanting one mesh axis on different dims. An elementwise op keeps
+  it on the dim split more ways (x P(None,'a') + y P(('a','b')) is P(('a','b')) whichever
+  operand comes first), at equal ways on the dim an earlier operand splits (a select's
+  predicate first); a dot (an outer einsum, its batch dim shared) on its first operand's dim:
+  as jax.jit's."""
   x, y = randn(8, 16), randn(8, 16, seed=1)
   for specs in ((P(("a", "b")), P(None, "a")), (P(None, "a"), P(("a", "b"))),
-                (P("a"), P(None, "a")), (P("b", "a"), P("a", "b"))):
-    check_jit(ELEMENTWISE_OF_TWO[op], (x, y), specs, "a2b4")
+                (P("a"), P(None, "a")), (P("b", "a"), P("a", "b")), (P(None, "a"), P("a"))):
+    check_jit({**ELEMENTWISE_OF_TWO, **OUTER_OF_TWO}[op], (x, y), specs, "a2b4")
 
 
 ONE_SIDED_CONTRACTIONS: dict[str, tuple[Callable, tuple, tuple]] = {

@@ -13,9 +13,9 @@ Policy (deterministic), per factor:
   3. A mesh axis wanted by two factors of one op goes to the factor of the larger tensor (the op
      then moves the smaller one; a result holding the factor counts); among tensors of one size,
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
-     reduction, then the factor split more ways, then the one an earlier tensor holds, closed
-     or open (as Shardy's, so `sin(x) @ c` with x P('a') and c P(None, 'a') keeps the rows'
-     'a', as jax.jit does). An axis a reduction factor
+     reduction, then the earlier tensor, closed or open (as Shardy's, so `sin(x) @ c` with x
+     P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does); between an elementwise
+     op's factors, first the factor split more ways, then the one the earliest tensor holds. An axis a reduction factor
      takes stays free on the op's results, which the op sums over it: a factor that lost it to
      the reduction still writes it to open results (the partial results are reduce-scattered).
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
@@ -384,16 +384,19 @@ class _Engine:
     # a tensor along that one whichever wins, so it yields the axis rather than make the op move
     # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
     # common axes), a pass factor before a reduction (whose partial result is summed later),
-    # then the larger candidate, then the factor split more ways, then the one an earlier
-    # tensor holds, closed or open (as Shardy's: `x + y` of x P(None, 'a') and y P(('a', 'b'))
-    # is P(('a', 'b')), `jnp.where(x > y, x, y)` of x P('a') and y P(None, 'a') is the
-    # predicate's P('a'); a closed tensor that loses an axis here is resharded for this op,
-    # never changed).
+    # then the larger candidate, then the earlier tensor, closed or open (a closed tensor that
+    # loses an axis here is resharded for this op, never changed). Between an elementwise op's
+    # factors, which every tensor holds, first the factor split more ways (the tensor resharded
+    # to it keeps a smaller block), then the one the earliest tensor holds. As Shardy's: `x + y`
+    # of x P(None, 'a') and y P(('a', 'b')) is P(('a', 'b')); `jnp.where(x > y, x, y)` of x
+    # P('a') and y P(None, 'a') is the predicate's P('a'); `jnp.einsum('ij,kj->ikj', x, y)` of x
+    # P(('a', 'b')) and y P(None, 'a') keeps y's 'a' (y is the dot_general's first operand).
     def order(t: tuple[bool, int, Axes, _Candidate, int]) -> tuple:
       disagreed, f, axes, best, earliest = t
+      ways = math.prod(self.mesh[a] for a in axes) if rule.pass_through else 1
       return (-max(best.size, result_sizes.get(f, 0)), disagreed,
-              rule.kinds[f] is FactorKind.REDUCTION, -best.size,
-              -math.prod(self.mesh[a] for a in axes), earliest, f)
+              rule.kinds[f] is FactorKind.REDUCTION, -best.size, -ways,
+              earliest if rule.pass_through else best.pos, f)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
     # returns P('a', 'b')).
