@@ -499,3 +499,21 @@ def test_all_to_alls_of_two_reshapes_of_one_block_that_xla_merges():
   x = jnp.asarray(np.random.default_rng(45).integers(-3, 4, (4, 8, 1), dtype=np.int32))
   plan = assert_partitioned_matches(f, (x,), (P(None, ("b", "a"), None),), "a2b4")
   assert [(c.kind, c.bytes) for c in plan.collectives] == [("all-to-all", 16), ("all-gather", 64)]
+
+
+@pytest.mark.parametrize("bound", [jnp.maximum, jnp.minimum])
+def test_a_repeated_bound_is_the_bound_it_repeats(bound):
+  """Found by the thorough profile (seed 37, on 44233d8; the same on b981bd6): argmax of
+  max(x, .5) and of max(max(x, .5), .5), x f32[16,1] P('b') on 2x2x2. XLA's simplifier folds
+  the second max into the first, and its CSE merges the two argmaxes' gathers (24 B in all),
+  where the plan counted both (40 B). The program now folds it too, and max(x, x)."""
+  def f(x, y):
+    v1 = bound(x, 0.5)
+    v4 = bound(0.5, bound(v1, 0.5))
+    return (jnp.argmax(v4, axis=0), jnp.argmax(v1, axis=0), jnp.cumsum(v1, axis=0), v4,
+            jnp.argmax(bound(y, y), axis=0), jnp.argmax(bound(bound(x, y), y), axis=0))
+
+  x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (16, 1)).astype(np.float32))
+  y = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (16, 1)).astype(np.float32))
+  plan = assert_partitioned_matches(f, (x, y), (P("b", None), P("b", None)), "a2b2c2")
+  assert len([c for c in plan.collectives if c.primitive == "argmax"]) == 3, plan.explain()

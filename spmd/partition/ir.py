@@ -310,7 +310,8 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
-  so is an ``abs`` of a value that cannot be negative, an ``x * 1`` (or ``x / 1``), a chain of
+  so is an ``abs`` of a value that cannot be negative, a ``max(max(x, y), y)`` (or ``min``), an
+  ``x * 1`` (or ``x / 1``), a chain of
   adds, subtracts and negations of scalar literals that comes back to its start (``x + 2 - 2``,
   ``3 - (3 - x)``; any other such chain is keyed by where it ends, ``(x + 1) + 2`` as ``x + 3``:
   XLA's simplifier folds the literals, for floats too), and a chain of reshapes in effect that
@@ -332,7 +333,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
     same = (_only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
-            or _identity_arithmetic(op, makers))
+            or _identity_arithmetic(op, makers) or _repeated_bound(op, makers))
     affine = _affine(op, makers, shifted)
     if affine is not None and affine.is_identity():
       same = affine.base
@@ -441,6 +442,32 @@ def _needless_abs(op: Op, makers: dict[Value, Op]) -> Value | None:
     return None
   squared = maker.primitive == "mul" and maker.inputs[0] is maker.inputs[1]
   return x if maker.primitive in ("square", "abs") or squared else None
+
+
+def _repeated_bound(op: Op, makers: Mapping[Value, Op]) -> Value | None:
+  """``x`` for ``max(x, x)``, and for ``max(x, y)`` where ``x = max(z, y)`` (either operand
+  order; ``y`` one value or equal scalar literals), alike for ``min``; else None. XLA's
+  simplifier folds both, so what reads either result merges in the compiled program
+  (``argmax`` of both gathers once)."""
+  if op.primitive not in ("max", "min"):
+    return None
+  for x, y in (op.inputs, op.inputs[::-1]):
+    if not isinstance(x, Value) or not _typed_alike(x, op.outputs[0]):
+      continue
+    maker = makers.get(x)
+    if x is y or (maker is not None and maker.primitive == op.primitive
+                  and any(_same_operand(y, other, makers) for other in maker.inputs)):
+      return x
+  return None
+
+
+def _same_operand(a: Atom, b: Atom, makers: Mapping[Value, Op]) -> bool:
+  """One value, or scalar literals (or broadcasts of them) of one value and type."""
+  if a is b:
+    return True
+  la, lb = _scalar_literal(a, makers), _scalar_literal(b, makers)
+  return (la is not None and lb is not None and la.aval == lb.aval
+          and literal_key(la.val) == literal_key(lb.val))
 
 
 # Binary ops that give back an operand when the other is a scalar literal: primitive -> (the
