@@ -322,8 +322,7 @@ def _one_sided_reductions(rule: OpShardingRule, from_operands: _Projected) -> fr
   every operand holds one sharded, as a data-parallel gradient's batch, the op reduces locally
   and sums: gathering them would repeat the op's work on every device.)"""
   return frozenset(f for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
-                   and f in from_operands and len(from_operands[f]) > 1
-                   and any(a for _, a in from_operands[f])
+                   and f in from_operands and any(a for _, a in from_operands[f])
                    and not all(a for _, a in from_operands[f]))
 
 

@@ -311,10 +311,10 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
   all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
   so is an ``abs`` of a value that cannot be negative, a ``max(max(x, y), y)`` (or ``min``), an
-  ``x * 1`` (or ``x / 1``), a chain of
-  adds, subtracts and negations of scalar literals that comes back to its start (``x + 2 - 2``,
-  ``3 - (3 - x)``; any other such chain is keyed by where it ends, ``(x + 1) + 2`` as ``x + 3``:
-  XLA's simplifier folds the literals, for floats too), and a chain of reshapes in effect that
+  ``x * 1`` (or ``x / 1``), a chain of adds, subtracts and negations of scalar literals that
+  comes back to its start (``x + 2 - 2``, ``3 - (3 - x)``; any other such chain is keyed by where
+  it ends, ``(x + 1) + 2`` as ``x + 3``: XLA's simplifier folds the literals, for floats too),
+  and a chain of reshapes in effect that
   gives a value back its own shape (``sum(x[None], 0)``: XLA's simplifier folds the chain to one
   reshape, then to nothing). Ops computing only from iotas and literals are not merged: they need
   no data, so each use may take them in its own sharding at no cost (XLA merges them only after

@@ -15,9 +15,10 @@ Policy (deterministic), per factor:
      to a factor whose tensors agree before one whose tensors disagree, a pass factor before a
      reduction, then the earlier tensor, closed or open (as Shardy's, so `sin(x) @ c` with x
      P('a') and c P(None, 'a') keeps the rows' 'a', as jax.jit does); between an elementwise
-     op's factors, first the factor split more ways, then the one the earliest tensor holds. An axis a reduction factor
-     takes stays free on the op's results, which the op sums over it: a factor that lost it to
-     the reduction still writes it to open results (the partial results are reduce-scattered).
+     op's factors, first the factor split more ways, then the one the earliest tensor holds.
+     An axis a reduction factor takes stays free on the op's results, which the op sums over
+     it: a factor that lost it to the reduction still writes it to open results (the partial
+     results are reduce-scattered).
 Shardings only grow (an open dim gets more axes appended), so the fixed point is reached.
 Pass-through ops (elementwise-like) run to a fixed point first, then every op (Shardy's op
 priority); only then does a broadcast's smaller operand donate its sharding to the larger result
@@ -161,6 +162,19 @@ class _Dropped:
   kept_part: int
   dropped: Axes
   dropped_part: int
+
+
+@dataclass(frozen=True)
+class _Chosen:
+  """A factor's axes merged from its candidates, before factors contest mesh axes: whether its
+  candidates ``disagreed``, the ``best`` one, and the position of the tensor that breaks ties
+  (``first``: the best's, or for an elementwise op the earliest tensor agreeing with ``axes``)."""
+
+  factor: int
+  axes: Axes
+  disagreed: bool
+  best: _Candidate
+  first: int
 
 
 @dataclass(frozen=True)
@@ -351,7 +365,7 @@ class _Engine:
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
              conflicts: list[_Dropped], result_sizes: Mapping[int, int]) -> dict[int, _Merged]:
-    chosen: list[tuple[bool, int, Axes, _Candidate]] = []
+    chosen: list[_Chosen] = []
     for f, cands in candidates.items():
       if rule.kinds[f] is FactorKind.PERMUTATION or (
           rule.kinds[f] is FactorKind.NEED_REPLICATION and not _kept(rule, f)):
@@ -372,8 +386,9 @@ class _Engine:
             conflicts.append(_Dropped(f, axes, best.part, other.axes, other.part))
             if axes != best.axes:  # tied: the first loses its axes too
               conflicts.append(_Dropped(f, axes, other.part, best.axes, best.part))
-      earliest = min(x.pos for x in ranked if _compatible(x.axes, axes))
-      chosen.append((not agreed, f, axes, best, earliest))
+      first = (min(x.pos for x in ranked if _compatible(x.axes, axes)) if rule.pass_through
+               else best.pos)
+      chosen.append(_Chosen(f, axes, not agreed, best, first))
     used: set[str] = set()
     used_on_results: set[str] = set()  # the axes of the factors the results hold
     merged: dict[int, _Merged] = {}
@@ -391,23 +406,23 @@ class _Engine:
     # of x P(None, 'a') and y P(('a', 'b')) is P(('a', 'b')); `jnp.where(x > y, x, y)` of x
     # P('a') and y P(None, 'a') is the predicate's P('a'); `jnp.einsum('ij,kj->ikj', x, y)` of x
     # P(('a', 'b')) and y P(None, 'a') keeps y's 'a' (y is the dot_general's first operand).
-    def order(t: tuple[bool, int, Axes, _Candidate, int]) -> tuple:
-      disagreed, f, axes, best, earliest = t
-      ways = math.prod(self.mesh[a] for a in axes) if rule.pass_through else 1
-      return (-max(best.size, result_sizes.get(f, 0)), disagreed,
-              rule.kinds[f] is FactorKind.REDUCTION, -best.size, -ways,
-              earliest if rule.pass_through else best.pos, f)
+    def order(c: _Chosen) -> tuple:
+      ways = math.prod(self.mesh[a] for a in c.axes) if rule.pass_through else 1
+      return (-max(c.best.size, result_sizes.get(c.factor, 0)), c.disagreed,
+              rule.kinds[c.factor] is FactorKind.REDUCTION, -c.best.size, -ways, c.first,
+              c.factor)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
     # returns P('a', 'b')).
-    summed_away = {f for f, k in enumerate(rule.kinds)
-                   if k is FactorKind.REDUCTION and f not in rule.result_factors()}
-    for _, f, axes, best, _ in sorted(chosen, key=order):
-      keep = prefix_without(axes, used)
+    held_by_results = rule.result_factors()
+    for c in sorted(chosen, key=order):
+      keep = prefix_without(c.axes, used)
       used.update(keep)
-      on_results = () if f in summed_away else prefix_without(axes, used_on_results)
+      summed_away = (rule.kinds[c.factor] is FactorKind.REDUCTION
+                     and c.factor not in held_by_results)
+      on_results = () if summed_away else prefix_without(c.axes, used_on_results)
       used_on_results.update(on_results)
-      merged[f] = _Merged(keep, on_results, best)
+      merged[c.factor] = _Merged(keep, on_results, c.best)
     return merged
 
   def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
