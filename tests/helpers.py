@@ -170,6 +170,15 @@ def check_jit(fn: Callable, args: tuple, in_specs: Any, mesh: Any, out_specs: An
                                       reference=lambda *_: want, like=want, **options)
 
 
+def check_jit_within_xla(fn: Callable, args: tuple, in_specs: Any, mesh: Any,
+                         out_specs: Any = None) -> spmd.Plan:
+  """``check_jit``, and the plan moves no more bytes per device than XLA's own partitioner given
+  the same specs (``xla_bytes``). Returns the plan."""
+  plan = check_jit(fn, args, in_specs, mesh, out_specs)
+  assert plan.total_bytes <= xla_bytes(fn, args, in_specs, mesh, out_specs), plan.explain()
+  return plan
+
+
 def both(fn: Callable, in_specs: Any, out_specs: Any = None,
          mesh: Mesh | str = "a2b4") -> tuple[Callable, Callable]:
   """``fn`` partitioned by spmd over ``mesh``, and ``jax.jit`` of it with the same shardings."""
