@@ -7,7 +7,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import assert_partitioned_matches, assert_trees_match, xla_bytes
+from helpers import (assert_partitioned_matches, assert_trees_match, check_jit_within_xla,
+                     xla_bytes)
 from spmd.hlo import collective_bytes, collectives
 
 
@@ -96,6 +97,31 @@ def test_axes_trading_dims_are_parked_not_gathered(axes, src, dst, kinds):
   plan = assert_partitioned_matches(_shared(dst), (X,), src, m, rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives] == kinds
   assert plan.total_bytes == len(kinds) * X.size * X.dtype.itemsize // 8
+
+
+@pytest.mark.parametrize("axes, src, dst, kinds", [
+    ({"a": 2, "b": 4}, P(None, "a"), P(("a", "b"), None), ["all-to-all", "collective-permute"]),
+    ({"a": 2, "b": 2, "c": 2}, P(None, "a"), P(("a", "b", "c"), None),
+     ["all-to-all", "collective-permute"]),
+    ({"a": 2, "b": 2, "c": 2}, P("a", "b"), P(("b", "c"), "a"), ["collective-permute"]),
+])
+def test_axes_no_dim_holds_are_sliced_before_the_others_arrive(axes, src, dst, kinds):
+  """A dim wanting an axis no dim holds behind one still to arrive is sliced by it first, and the
+  order fixed by a collective-permute once the other arrives: the collectives move a smaller
+  block (P(None, 'a') -> P(('a', 'b'))): 128 B, as XLA, where an all-to-all of the whole block
+  then a slice moved 256 B; the third moved 384 B, XLA 64 B), for a value with another reader."""
+  m = spmd.make_mesh(axes)
+  plan = assert_partitioned_matches(_shared(dst), (X,), src, m, rtol=TOL, atol=TOL)
+  assert [c.kind for c in plan.collectives] == kinds
+  assert plan.total_bytes <= xla_bytes(_shared_xla(m, dst), (X,), src, m)
+
+
+def test_an_operand_read_twice_is_sliced_before_its_all_to_all():
+  """`jnp.where(x > y, x, y)` of x P(('a', 'b')) and y P(None, 'a') (both reads of y want x's
+  form): y's rows are sliced by 'b' before 'a' moves to them, 128 B as XLA (was 256 B)."""
+  plan = check_jit_within_xla(lambda x, y: jnp.where(x > y, x, y), (X, X[::-1] * 3),
+                              (P(("a", "b")), P(None, "a")), {"a": 2, "b": 4})
+  assert plan.total_bytes == 128
 
 
 @pytest.mark.parametrize("axes, src, dst", [

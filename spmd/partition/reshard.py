@@ -839,7 +839,9 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   that wants it (behind axes that leave later, reordered by collective-permutes), as XLA moves
   axes between dims by all-to-alls rather than gathering them, where axes only trade
   dims of as many blocks, one collective-permute of whole blocks (``TradeBlocks``), and where
-  axes trade dims while others are dropped, that permute before gathering the dropped axes."""
+  axes trade dims while others are dropped, that permute before gathering the dropped axes;
+  and where the cheapest of these gathers nothing, one that first slices by the axes no dim
+  holds (``_sliced_early``)."""
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
   if any(isinstance(s, (AllGather, GatherDims)) for s in options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
@@ -852,8 +854,46 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     traded = _traded_blocks(summed, mid, shape, itemsize, mesh)
     if traded is not None:
       options.append(reduced + traded + _plan_reshard(mid, dst, shape, itemsize, mesh, park=False))
-  return min(options, key=lambda steps: (sum(s.bytes for s in steps),
-                                         sum(s.sent(mesh) for s in steps)))
+  def cost(steps: Sequence[ReshardStep]) -> tuple[int, int]:
+    return sum(s.bytes for s in steps), sum(s.sent(mesh) for s in steps)
+
+  best = min(options, key=cost)
+  if any(isinstance(s, (AllGather, GatherDims)) for s in best):
+    return best
+  sliced = _sliced_early(summed, dst, shape, itemsize, mesh)
+  if not sliced:
+    return best
+  return min(best, reduced + sliced + plan_reshard(sliced[-1].after, dst, shape, itemsize, mesh),
+             key=cost)
+
+
+def _sliced_early(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
+                  mesh: MeshShape) -> tuple[ReshardStep, ...]:
+  """Local slices of each dim by the axes ``dst`` splits it by and no dim of ``src`` holds, where
+  ``dst`` wants them behind axes still to arrive (in order, ``_plan_reshard`` slices them first
+  itself): the collectives then move smaller blocks, and a collective-permute puts the axes in
+  order once the others arrive (P(None, 'a') -> P(('a', 'b')) of f32[8,16] on a 2x4 mesh: rows
+  sliced by 'b', an all-to-all of 'a', a permute into ('a', 'b'), 128 B, as XLA, where an
+  all-to-all of the whole block first moves 256 B). No steps where no dim has such axes.
+  ``plan_reshard`` takes them only where its other routes gather nothing: a gathered form on the
+  way is one a value's other readers may reuse (the schedule keeps the forms a reshard passes
+  through), and slicing first skips it."""
+  if src.partial:
+    return ()
+  used = {a for axes in src.dims for a in axes}
+  steps: list[ReshardStep] = []
+  cur = src
+  for d, want in enumerate(dst.dims):
+    have = cur.dims[d]
+    free = tuple(a for a in want if a not in used)
+    if (not free or want[:len(have) + len(free)] == have + free
+        or not splits_exactly(shape[d], axes_size(have, mesh), axes_size(free, mesh))):
+      continue
+    after = TensorSharding(cur.dims[:d] + (have + free,) + cur.dims[d + 1:])
+    steps.append(DynamicSlice(axes=free, before=cur, after=after, shape=shape, itemsize=itemsize,
+                              mesh=mesh, dim=d))
+    cur = after
+  return tuple(steps)
 
 
 def _plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
