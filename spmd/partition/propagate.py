@@ -398,7 +398,9 @@ class _Engine:
     # one size, a factor whose tensors agree goes before one whose tensors disagree (the op moves
     # a tensor along that one whichever wins, so it yields the axis rather than make the op move
     # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
-    # common axes), a pass factor before a reduction (whose partial result is summed later),
+    # common axes), a pass factor before a reduction (whose partial result is summed later)
+    # and before a halo factor (along which every operand's window exchanges halos: a
+    # concatenate's operands split on a kept dim and the joined dim keep the kept dim's),
     # then the larger candidate, then the earlier tensor, closed or open (a closed tensor that
     # loses an axis here is resharded for this op, never changed). Between an elementwise op's
     # factors, which every tensor holds, first the factor split more ways (the tensor resharded
@@ -409,8 +411,8 @@ class _Engine:
     def order(c: _Chosen) -> tuple:
       ways = math.prod(self.mesh[a] for a in c.axes) if rule.pass_through else 1
       return (-max(c.best.size, result_sizes.get(c.factor, 0)), c.disagreed,
-              rule.kinds[c.factor] is FactorKind.REDUCTION, -c.best.size, -ways, c.first,
-              c.factor)
+              rule.kinds[c.factor] is FactorKind.REDUCTION, rule.kinds[c.factor] is FactorKind.HALO,
+              -c.best.size, -ways, c.first, c.factor)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
     # returns P('a', 'b')).
