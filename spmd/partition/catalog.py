@@ -29,11 +29,11 @@ ELEMENTWISE_UNARY = """sign floor ceil round is_finite exp exp2 log log1p log2 e
 sin cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv
 lgamma digamma bessel_i0e bessel_i1e integer_pow square one_minus_square reduce_precision
 population_count clz stop_gradient zeros_like random_seed random_fold_in random_clone
-layout_constraint""".split()
+layout_constraint sinpi cospi tanpi asinpi acospi atanpi exp2m1 log2p1""".split()
 ELEMENTWISE_NARY = """pow max min nextafter atan2 and or xor eq ne lt le gt ge eq_to le_to lt_to
 rem shift_left shift_right_logical shift_right_arithmetic complex igamma igammac igamma_grad_a
 random_gamma_grad polygamma zeta regularized_incomplete_beta clamp threefry2x32 threefry4x32
-philox2x32 philox4x32 mulhi polynomial""".split()
+philox2x32 philox4x32 mulhi polynomial atan2pi fma fmuladd""".split()
 # Linear in their operand: a pending partial sum flows through them.
 ELEMENTWISE_LINEAR = "neg copy copy_p real imag conj".split()
 
@@ -50,7 +50,8 @@ REPLICATED: dict[str, str] = {
        vary_unreduced_cast vary_unreduced_cast_p psend precv all_gather_start all_gather_done
        all_gather_reduced_start all_to_all_start all_to_all_done pbroadcast_start pbroadcast_done
        ppermute_start ppermute_done psum_start psum_done psum_invariant_start reduce_scatter_start
-       reduce_scatter_done unreduced_psum_start unreduced_reduce_scatter_start""".split()},
+       reduce_scatter_done unreduced_psum_start unreduced_reduce_scatter_start pmax_scatter
+       pmin_scatter pxor""".split()},
     **{n: INTERNAL for n in """custom_lin remat_opt stage tie dce_sink
        unreachable empty""".split()},
     **{n: REF for n in "new_ref empty_ref free_ref freeze accum_grad_in_ref".split()},
@@ -68,6 +69,8 @@ REPLICATED: dict[str, str] = {
     "rng_bit_generator": "its bits depend on the whole output shape, so no device can compute "
                          "its block alone",
     "rng_uniform": "its bits depend on the whole output shape",
+    "raw_bits": "no rule yet (new in jax 0.12.1): a key's raw bit streams, drawn whole",
+    "random_poisson": "no rule yet (new in jax 0.12.1): Poisson variates drawn whole",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
     "composite": "a composite's decomposition runs on whole operands",
