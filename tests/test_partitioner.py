@@ -107,13 +107,31 @@ def test_axes_trading_dims_are_parked_not_gathered(axes, src, dst, kinds):
 ])
 def test_axes_no_dim_holds_are_sliced_before_the_others_arrive(axes, src, dst, kinds):
   """A dim wanting an axis no dim holds behind one still to arrive is sliced by it first, and the
-  order fixed by a collective-permute once the other arrives: the collectives move a smaller
-  block (P(None, 'a') -> P(('a', 'b'))): 128 B, as XLA, where an all-to-all of the whole block
-  then a slice moved 256 B; the third moved 384 B, XLA 64 B), for a value with another reader."""
+  order fixed by a collective-permute once the other arrives, so the collectives move a smaller
+  block, for a value with another reader: P(None, 'a') -> P(('a', 'b')) moves 128 B, as XLA,
+  where an all-to-all of the whole block then a slice moved 256 B; the third moved 384 B, XLA
+  64 B."""
   m = spmd.make_mesh(axes)
   plan = assert_partitioned_matches(_shared(dst), (X,), src, m, rtol=TOL, atol=TOL)
   assert [c.kind for c in plan.collectives] == kinds
   assert plan.total_bytes <= xla_bytes(_shared_xla(m, dst), (X,), src, m)
+
+
+@pytest.mark.parametrize("rows", [12, 13])
+@pytest.mark.parametrize("axes, src, dst", [
+    ({"a": 2, "b": 4}, P(None, "a"), P(("a", "b"), None)),
+    ({"a": 2, "b": 2, "c": 2}, P(None, "a"), P(("a", "b", "c"), None)),
+    ({"a": 2, "b": 2, "c": 2}, P("a", "b"), P(("b", "c"), "a")),
+])
+def test_axes_no_dim_holds_on_uneven_rows(axes, src, dst, rows):
+  """The reshards above with rows that 8 devices split unevenly: values and plan hold, and with
+  12 rows the third is still one collective-permute (it was an all-to-all, a permute and an
+  all-to-all, 576 B; now 96 B)."""
+  x = jnp.linspace(-1, 1, rows * 16, dtype=jnp.float32).reshape(rows, 16)
+  plan = assert_partitioned_matches(_shared(dst), (x,), src, spmd.make_mesh(axes), rtol=TOL,
+                                    atol=TOL)
+  if rows == 12 and src == P("a", "b"):
+    assert [c.kind for c in plan.collectives] == ["collective-permute"]
 
 
 def test_an_operand_read_twice_is_sliced_before_its_all_to_all():

@@ -410,9 +410,10 @@ class _Engine:
     # P(('a', 'b')) and y P(None, 'a') keeps y's 'a' (y is the dot_general's first operand).
     def order(c: _Chosen) -> tuple:
       ways = math.prod(self.mesh[a] for a in c.axes) if rule.pass_through else 1
+      kind = rule.kinds[c.factor]
       return (-max(c.best.size, result_sizes.get(c.factor, 0)), c.disagreed,
-              rule.kinds[c.factor] is FactorKind.REDUCTION, rule.kinds[c.factor] is FactorKind.HALO,
-              -c.best.size, -ways, c.first, c.factor)
+              kind is FactorKind.REDUCTION, kind is FactorKind.HALO, -c.best.size, -ways, c.first,
+              c.factor)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
     # returns P('a', 'b')).

@@ -843,7 +843,7 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
   and where the cheapest of these gathers nothing, one that first slices by the axes no dim
   holds (``_sliced_early``)."""
   options = [_plan_reshard(src, dst, shape, itemsize, mesh, park=False)]
-  if any(isinstance(s, (AllGather, GatherDims)) for s in options[0]):
+  if _gathers(options[0]):
     options.append(_plan_reshard(src, dst, shape, itemsize, mesh, park=True))
   summed, reduced = _reduced(src, dst, shape, itemsize, mesh)  # reduced first, then traded
   if reduced and any(isinstance(s, (ReduceScatter, ScatterDims)) for s in options[0]):
@@ -858,13 +858,17 @@ def plan_reshard(src: TensorSharding, dst: TensorSharding, shape: Sequence[int],
     return sum(s.bytes for s in steps), sum(s.sent(mesh) for s in steps)
 
   best = min(options, key=cost)
-  if any(isinstance(s, (AllGather, GatherDims)) for s in best):
+  if _gathers(best):
     return best
   sliced = _sliced_early(summed, dst, shape, itemsize, mesh)
   if not sliced:
     return best
   return min(best, reduced + sliced + plan_reshard(sliced[-1].after, dst, shape, itemsize, mesh),
              key=cost)
+
+
+def _gathers(steps: Sequence[ReshardStep]) -> bool:
+  return any(isinstance(s, (AllGather, GatherDims)) for s in steps)
 
 
 def _sliced_early(src: TensorSharding, dst: TensorSharding, shape: Sequence[int], itemsize: int,
