@@ -228,6 +228,39 @@ def test_constants_are_folded():
 
 
 
+SELECTS_ON_CONSTANTS = {
+    "true picks the zeros": lambda z, b: jax.lax.select(z == 0, z, b),
+    "false picks the zeros": lambda z, b: jax.lax.select(jnp.full(z.shape, 1.0) > 2, b, z),
+    "an index picks the zeros": lambda z, b: jax.lax.select_n(
+        jnp.full(z.shape, 2, jnp.int32), b, b * 2, z),
+    "ldexp of the zeros": lambda z, b: jnp.ldexp(z, jnp.argmax(b).astype(jnp.int32) % 3),
+}
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P(("a", "b")))])
+@pytest.mark.parametrize("name", SELECTS_ON_CONSTANTS)
+def test_a_select_on_a_constant_predicate_is_the_case_it_picks(name, mesh, spec):
+  """jax 0.12.1's conjugate gradient scales ``x0 = zeros_like(b)`` by ``jnp.ldexp``, whose bits
+  pass a select on ``exp == 0``: a predicate of one value everywhere. XLA's simplifier folds
+  such a select to the case it picks, so ``a @ x0`` of a split ``a`` gathers nothing, and the max
+  of ``abs(x0)`` reduces nothing: the plan gathered x0 (128 B) and all-reduced that max (4 B),
+  x0 taken out of ``device_put((b, x0))`` not being seen as a constant either. Both are now
+  seen as XLA sees them (fold.py, ir._chosen_case); only ``abs(b)``'s max all-reduces."""
+  pick = SELECTS_ON_CONSTANTS[name]
+
+  def fn(a, b):
+    b, zeros = jax.device_put((b, jnp.zeros_like(b)))
+    x0 = pick(zeros, b)
+    return a @ x0 + b, jnp.abs(x0).max() + jnp.abs(b).max()
+
+  rng = np.random.default_rng(0)
+  args = (jnp.asarray(rng.standard_normal((32, 32)), jnp.float32),
+          jnp.asarray(rng.standard_normal(32), jnp.float32))
+  plan = assert_partitioned_matches(fn, args, (P(spec[0], None), spec), mesh)
+  if name != "ldexp of the zeros":  # jax 0.12.1's ldexp selects; older ones multiply
+    assert [c.kind for c in plan.collectives] == ["all-reduce"], plan.explain()
+
+
 def test_an_add_reading_a_calls_literal_argument():
   """``jax.nn.log_sigmoid`` (optax's sigmoid cross entropy) calls a custom_jvp with a literal:
   inlined, an ``add`` reads that literal where its equation names a variable, and the roll

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.partition.atoms import Value
+from spmd.partition.atoms import Atom, Value
 from spmd.partition.primitives import bind, describe, operands
 
 if TYPE_CHECKING:
@@ -59,11 +59,14 @@ def fold_constants(ops: list[Op]) -> tuple[list[Op], list[Value]]:
         v.const = Folded(makers)
         folded.append(v)
       continue
-    if not all(not isinstance(x, Value) or x.const is not None or x.size == 0 or x in makers
-               for x in op.inputs):
+    if _is_identity(op):  # result k is operand k: constant where its operand is
+      makers.update((v, op) for v, x in zip(op.outputs, op.inputs) if _constant(x, makers))
       kept.append(op)
       continue
-    if op.primitive in _KEPT or _is_identity(op):
+    if not all(_constant(x, makers) for x in op.inputs):
+      kept.append(op)
+      continue
+    if op.primitive in _KEPT:
       makers.update((v, op) for v in op.outputs)
       kept.append(op)
       continue
@@ -95,6 +98,11 @@ def fold_region_empties(ops: list[Op]) -> list[Value]:
       region.ops = kept
       folded += fold_region_empties(kept)
   return folded
+
+
+def _constant(x: Atom, makers: Mapping[Value, Op]) -> bool:
+  """Whether ``x`` is a literal, a program constant, an empty value or made from constants."""
+  return not isinstance(x, Value) or x.const is not None or x.size == 0 or x in makers
 
 
 def _empty(op: Op) -> bool:
@@ -143,9 +151,10 @@ def const_arrays(consts: Iterable[Value]) -> dict[Value, Any]:
         env[x] = jnp.zeros(x.aval.shape, x.aval.dtype)  # made in the program: no 0-size operand
       else:
         op = makers[x]
-        args = [read(a, makers) for a in op.inputs]
-        outs = args[:len(op.outputs)] if _is_identity(op) else bind(op, args)
-        env.update(zip(op.outputs, outs))
+        if _is_identity(op):  # its other operands need not be constants
+          env[x] = read(op.inputs[op.outputs.index(x)], makers)
+        else:
+          env.update(zip(op.outputs, bind(op, [read(a, makers) for a in op.inputs])))
     return env[x]
 
   return {c: read(c, c.const.makers if isinstance(c.const, Folded) else {}) for c in consts}

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from spmd.partition.atoms import Atom, Literal, Value
 from spmd.partition.fold import fold_constants, fold_region_empties
 from spmd.partition.jax_compat import open_jaxpr, scan_layout
-from spmd.partition.primitives import SHARDING_PARAMS, PrimitiveInfo, describe
+from spmd.partition.primitives import SHARDING_PARAMS, PrimitiveInfo, bind, describe, operands
 from spmd.partition.roll import fuse_rolls
 
 # Frames inside spmd.partition (e.g. spmd.annotate) are not the user's source line.
@@ -309,7 +310,8 @@ def _drop_dead_stacked_outputs(scan: Op, live: set) -> None:
 def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[Atom, ...]]:
   """Common subexpressions: a pure op with the same primitive, params and inputs as an earlier
   one reuses its results (XLA merges them too, collectives included); a select whose cases are
-  all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), and
+  all one value is that value (XLA's simplifier folds it, and the predicate may then be dead), as
+  is a select whose predicate is one known value everywhere (the case it picks), and
   so is an ``abs`` of a value that cannot be negative, a ``max(max(x, y), y)`` (or ``min``), an
   ``x * 1`` (or ``x / 1``), a chain of adds, subtracts and negations of scalar literals that
   comes back to its start (``x + 2 - 2``, ``3 - (3 - x)``; any other such chain is keyed by where
@@ -323,6 +325,7 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
   alias: dict[Value, Value] = {}
   equal: dict[Value, Value] = {}  # a value computed from iotas and literals -> the first equal one
   makers: dict[Value, Op] = {}
+  splats: dict[Value, np.ndarray | None] = {}  # values known to hold one element everywhere
   relaid: dict[Value, Value] = {}  # a reshape in effect's result -> the value it re-lays
   shifted: dict[Value, _Affine] = {}  # a value made from another by literal adds and negations
   seen: dict[tuple, Op] = {}
@@ -332,7 +335,8 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
     op.inputs = tuple(sub(a) for a in op.inputs)
     for region in op.regions:
       region.ops, region.outputs = _dedupe(region.ops, region.outputs)
-    same = (_only_case(op, equal) or _needless_abs(op, makers) or _without_empty_pieces(op)
+    same = (_only_case(op, equal) or _chosen_case(op, makers, splats)
+            or _needless_abs(op, makers) or _without_empty_pieces(op)
             or _identity_arithmetic(op, makers) or _repeated_bound(op, makers))
     affine = _affine(op, makers, shifted)
     if affine is not None and affine.is_identity():
@@ -413,6 +417,67 @@ def _only_case(op: Op, equal: Mapping[Value, Value]) -> Value | None:
   same = lambda c: c is first or (  # noqa: E731
       isinstance(c, Value) and c in equal and equal[c] is equal.get(first))
   return first if isinstance(first, Value) and all(same(c) for c in op.inputs[2:]) else None
+
+
+def _chosen_case(op: Op, makers: Mapping[Value, Op],
+                 splats: dict[Value, np.ndarray | None]) -> Value | None:
+  """The case a ``select_n`` picks everywhere, where its predicate is one known value (``_splat``),
+  else None: XLA's simplifier folds such a select to the case (``jnp.ldexp`` of zeros picks the
+  zeros' own bits, so what reads it reads a constant)."""
+  if op.primitive != "select_n":
+    return None
+  which = _splat(op.inputs[0], makers, splats, _SPLAT_DEPTH)
+  if which is None:
+    return None
+  case = op.inputs[1 + int(which)]
+  return case if isinstance(case, Value) and _typed_alike(case, op.outputs[0]) else None
+
+
+_SPLAT_DEPTH = 64  # ops followed back from a predicate before giving up (keeps recursion short)
+
+
+def _splat(a: Atom, makers: Mapping[Value, Op], splats: dict[Value, np.ndarray | None],
+           depth: int) -> np.ndarray | None:
+  """The one element ``a`` holds everywhere, if ``a`` is a scalar literal or made from them by
+  broadcasts, identities and elementwise ops (those run on the scalars, at compile time as XLA
+  folds them), else None. Computed when first asked for and kept in ``splats``."""
+  if not isinstance(a, Value):
+    return np.asarray(a.val) if np.ndim(a.val) == 0 else None
+  if a in splats or depth == 0:
+    return splats.get(a)
+  maker = makers.get(a)
+  if maker is None or not _runs_on_scalars(maker):
+    splats[a] = None
+    return None
+  if describe(maker.eqn.primitive).local is operands:  # an identity: result k is operand k
+    splats[a] = _splat(maker.inputs[maker.outputs.index(a)], makers, splats, depth - 1)
+    return splats[a]
+  args = []
+  for x in maker.inputs:
+    args.append(_splat(x, makers, splats, depth - 1))
+    if args[-1] is None:
+      splats[a] = None
+      return None
+  if maker.primitive == "broadcast_in_dim":
+    splats[a] = args[0]
+  else:
+    with jax.ensure_compile_time_eval():
+      splats.update(zip(maker.outputs, (np.asarray(r) for r in bind(maker, args))))
+  return splats[a]
+
+
+def _runs_on_scalars(op: Op) -> bool:
+  """Whether ``op`` computes each element of its results from the same element of its operands
+  alone, of plain dtypes: elementwise ops, same-width bitcasts, identities (not annotations), and
+  broadcasts of a scalar."""
+  from spmd.partition.rules import elementwise  # the rules build on this module
+  info = describe(op.eqn.primitive)
+  if info is None or info.annotation is not None or info.stateful or any(
+      jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended) for x in (*op.inputs, *op.outputs)):
+    return False
+  if op.primitive in ("broadcast_in_dim", "bitcast_convert_type"):
+    return all(np.ndim(x.aval) == 0 or x.shape == op.outputs[0].shape for x in op.inputs[:1])
+  return info.rule is elementwise.elementwise or info.local is operands
 
 
 def _without_empty_pieces(op: Op) -> Value | None:
