@@ -95,6 +95,7 @@ class _Marker:
     self.buffers: dict[tuple[Value, TensorSharding], _Buffer] = {}
     self.runs: dict[_Place, list[_Run]] = {}
     self.pieces: set[_Piece] = set()
+    self.computed: dict[Hashable, ScheduledOp] = {}  # what an op computed -> the first to do it
     self.scopes = 0
 
   def walk(self, sched: Schedule) -> None:
@@ -106,7 +107,7 @@ class _Marker:
     for s in ops:
       self._transfers(s.transfers, scope)
       self._hops(s, scope)
-      self._written(s)
+      self._written(s, scope)
       for region in s.regions:
         self._region(region)
 
@@ -119,18 +120,30 @@ class _Marker:
   def _buffer(self, v: Value, form: TensorSharding) -> _Buffer:
     return self.buffers.setdefault((self.aliases.get(v, v), form), _Buffer())
 
-  def _written(self, s: ScheduledOp) -> None:
-    """A reshape in effect run on local blocks alone writes the buffer it reads, re-laid (its
-    padding too, where a dim splits unevenly: the blocks hold as many elements)."""
+  def _written(self, s: ScheduledOp, scope: int) -> None:
+    """The buffers an op run on local blocks alone writes. A reshape in effect or a
+    ``stop_gradient`` (lowered to nothing) writes the buffer it reads, re-laid (its padding too,
+    where a dim splits unevenly: the blocks hold as many elements). An op computing what an
+    earlier op of ``scope`` did, from the same buffers in the same forms, writes that op's
+    buffers: XLA's CSE merges the two (``log_softmax`` and ``softmax`` of one value sum one
+    buffer once, the first's ``stop_gradient`` gone)."""
     op, ex = s.op, s.execution
-    if ex is None or ex.halos or s.gathered or not reshapes_in_effect(op):
+    if ex is None or ex.halos or s.gathered:
       return
-    read, written = (math.prod(f.local_shape(v.shape, self.mesh)) for v, f in
-                     [(op.inputs[0], s.reads[0]), (op.outputs[0], s.writes[0])])
-    if read != written:
+    if reshapes_in_effect(op) or op.primitive == "stop_gradient":
+      read, written = (math.prod(f.local_shape(v.shape, self.mesh)) for v, f in
+                       [(op.inputs[0], s.reads[0]), (op.outputs[0], s.writes[0])])
+      if read == written:
+        self.buffers.setdefault((self.aliases.get(op.outputs[0], op.outputs[0]), s.writes[0]),
+                                self._buffer(op.inputs[0], s.reads[0]))
       return
-    self.buffers.setdefault((self.aliases.get(op.outputs[0], op.outputs[0]), s.writes[0]),
-                            self._buffer(op.inputs[0], s.reads[0]))
+    if op.merge_params is None or op.regions:  # XLA merges no loops or conditionals
+      return
+    operands = tuple(self._buffer(x, f) if isinstance(x, Value)
+                     else (literal_key(x.val), str(x.aval)) for x, f in zip(op.inputs, s.reads))
+    first = self.computed.setdefault((scope, op.merge_params, operands, s.writes), s)
+    for v, w, earlier in zip(op.outputs, s.writes, first.op.outputs):
+      self.buffers.setdefault((self.aliases.get(v, v), w), self._buffer(earlier, w))
 
   def _hops(self, s: ScheduledOp, scope: int) -> None:
     """Keeps in ``s.halo_hops`` the ppermutes that send no piece sent before in ``scope``."""
