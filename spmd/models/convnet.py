@@ -58,6 +58,7 @@ class Config:
   blocks: int = 2         # ResNet: residual blocks, all but the first strided
   classes: int = 10       # ResNet
   out_channels: int = 3   # U-Net
+  activation: Callable[[Array], Array] = nn.relu  # after each norm (flax's examples' ``act``)
 
 
 def _init(initializer: Callable, names: tuple[str | None, ...]) -> Callable:
@@ -84,7 +85,7 @@ def _image(x: Array) -> Array:
 
 
 class ConvBlock(nn.Module):
-  """Two 3x3 convs, each followed by group norm and ReLU."""
+  """Two 3x3 convs, each followed by group norm and the activation."""
 
   config: Config
   features: int
@@ -92,12 +93,13 @@ class ConvBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     for i in range(2):
-      x = _image(nn.relu(_norm(self.config)(_conv(self.features, 3, name=f"conv_{i}")(x))))
+      x = _image(self.config.activation(
+          _norm(self.config)(_conv(self.features, 3, name=f"conv_{i}")(x))))
     return x
 
 
 class ResidualBlock(nn.Module):
-  """relu(x' + norm(conv(relu(norm(conv(x)))))), the first conv strided by ``stride`` and x'
+  """act(x' + norm(conv(act(norm(conv(x)))))), the first conv strided by ``stride`` and x'
   a strided 1x1 projection of x where the shape changes."""
 
   config: Config
@@ -107,11 +109,11 @@ class ResidualBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     c = self.config
-    h = _image(nn.relu(_norm(c)(_conv(self.features, 3, self.stride)(x))))
+    h = _image(c.activation(_norm(c)(_conv(self.features, 3, self.stride)(x))))
     h = _norm(c)(_conv(self.features, 3)(h))
     if self.stride != 1 or x.shape[-1] != self.features:
       x = _norm(c, "skip_norm")(_conv(self.features, 1, self.stride, "skip")(x))
-    return _image(nn.relu(x + h))
+    return _image(c.activation(x + h))
 
 
 class ResNet(nn.Module):
@@ -122,7 +124,7 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, images: Array) -> Array:
     c = self.config
-    x = _image(nn.relu(_norm(c)(_conv(c.channels, 3)(_image(images)))))
+    x = _image(c.activation(_norm(c)(_conv(c.channels, 3)(_image(images)))))
     for i in range(c.blocks):
       x = ResidualBlock(c, c.channels * 2 ** i, 1 if i == 0 else 2)(x)
     logits = nn.Dense(c.classes, kernel_init=_init(nn.initializers.lecun_normal(),

@@ -11,8 +11,8 @@ results hold no elements is an empty constant whatever it reads (XLA's simplifie
 a program input holding no elements counts as a constant for the ops reading it: a sum of it is its
 init value, which XLA folds and jax.jit returns replicated (read inside the shard_map, empty
 operands were all dropped by XLA, which then refused the manual computation). An
-identity of a constant (an annotation, which steers propagation, a reshard, a device_put) stays
-and its result counts as a constant too.
+identity (an annotation, which steers propagation, a reshard, a device_put) stays, and each of
+its results whose operand is a constant counts as a constant too.
 Only the top-level program is folded; in region bodies only the ops with empty results, or
 reading nothing but empty values, are.
 """
