@@ -826,6 +826,27 @@ def test_a_concatenate_keeps_a_kept_dims_axis_over_its_joined_dims(case):
                        (randn(8, 16), randn(8, 16, seed=3)), specs, "a2b4")
 
 
+SORTS_OVER_ONE_AXIS = {  # operands splitting one axis, one on the sorted dim, one on a kept dim
+    "keys_on_the_sorted_dim": (lambda x, y: jax.lax.sort((x, y), dimension=1, num_keys=1),
+                               (P(None, "a"), P("a"))),
+    "values_on_the_sorted_dim": (lambda x, y: jax.lax.sort((x, y), dimension=1, num_keys=1),
+                                 (P("a"), P(None, "a"))),
+    "rows_sorted": (lambda x, y: jax.lax.sort((x, y), dimension=0, num_keys=1),
+                    (P(("a", "b")), P(None, ("a", "b")))),
+    "argsort_of_a_sum": (lambda x, y: jnp.argsort(x + y, axis=1), (P(None, "b"), P("b"))),
+}
+
+
+@pytest.mark.parametrize("case", list(SORTS_OVER_ONE_AXIS))
+def test_a_sort_keeps_a_kept_dims_axis_over_its_sorted_dim(case):
+  """Operands of a sort splitting one mesh axis, one on the sorted dim and the other on a kept
+  dim: the kept dim takes the axis, as jax.jit's (the sorted dim is gathered whole), as a
+  concatenate's kept dim does over its joined dim: `lax.sort((x, y), 1, num_keys=1)` of x
+  P(None,'a'), y P('a') is P('a'), 256 B as XLA (it was P(None,'a'), 512 B)."""
+  fn, specs = SORTS_OVER_ONE_AXIS[case]
+  check_jit_within_xla(fn, (randn(8, 16), randn(8, 16, seed=3)), specs, "a2b4")
+
+
 def test_a_sort_along_an_unsharded_dim_is_spelled_as_jax_jit_spells_it():
   """Under set_mesh an output sharded like the first input takes that input's spelling only
   where its type carries the mesh; a sort's result type has none, so jax.jit trims it (P('a',),

@@ -476,7 +476,8 @@ def _runs_on_scalars(op: Op) -> bool:
       jax.dtypes.issubdtype(x.aval.dtype, jax.dtypes.extended) for x in (*op.inputs, *op.outputs)):
     return False
   if op.primitive in ("broadcast_in_dim", "bitcast_convert_type"):
-    return all(np.ndim(x.aval) == 0 or x.shape == op.outputs[0].shape for x in op.inputs[:1])
+    shape = op.inputs[0].aval.shape
+    return shape == op.outputs[0].shape or (op.primitive == "broadcast_in_dim" and not shape)
   return info.rule is elementwise.elementwise or info.local is operands
 
 

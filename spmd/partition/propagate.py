@@ -39,6 +39,10 @@ from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
+# Factors that yield a contested axis to a pass factor: along a halo factor every operand's
+# window exchanges halos, along a factor needing replication the op gathers the dim.
+_YIELDING = (FactorKind.HALO, FactorKind.NEED_REPLICATION)
+
 
 @dataclass(frozen=True)
 class Origin:
@@ -399,8 +403,9 @@ class _Engine:
     # a tensor along that one whichever wins, so it yields the axis rather than make the op move
     # a second tensor; as Shardy's propagation, which gives such a factor only its tensors'
     # common axes), a pass factor before a reduction (whose partial result is summed later)
-    # and before a halo factor (along which every operand's window exchanges halos: a
-    # concatenate's operands split on a kept dim and the joined dim keep the kept dim's),
+    # and before a halo factor or a kept factor the op needs whole (along which every operand
+    # exchanges halos or is gathered: a concatenate's or sort's operands split one axis on a
+    # kept dim and on the joined or sorted dim keep the kept dim's),
     # then the larger candidate, then the earlier tensor, closed or open (a closed tensor that
     # loses an axis here is resharded for this op, never changed). Between an elementwise op's
     # factors, which every tensor holds, first the factor split more ways (the tensor resharded
@@ -412,7 +417,7 @@ class _Engine:
       ways = math.prod(self.mesh[a] for a in c.axes) if rule.pass_through else 1
       kind = rule.kinds[c.factor]
       return (-max(c.best.size, result_sizes.get(c.factor, 0)), c.disagreed,
-              kind is FactorKind.REDUCTION, kind is FactorKind.HALO, -c.best.size, -ways, c.first,
+              kind is FactorKind.REDUCTION, kind in _YIELDING, -c.best.size, -ways, c.first,
               c.factor)
     # A result's factor that lost an axis to a reduction factor the results lack (summed away)
     # still holds it on the results (as jax.jit's `x.at[i].get()` of x P('a', 'b') by i P('a')
