@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_like_jit, assert_partitioned_matches, assert_trees_match,
+from helpers import (as_mesh, assert_like_jit, assert_partitioned_matches, assert_trees_match,
                      check_jit, check_jit_within_xla, check_plan, is_spec, named, randn)
 
 MESHES = {"2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1},
@@ -409,6 +409,35 @@ def test_forward_mode_differentiates_the_partitioned_program(mesh, partitioned_l
                           in_specs=(P("data"), P(None, "model"), P(None, "model")))
   assert_trees_match(inside(X, W, W), jax.jvp(lambda w: loss(X, w), (W,), (W,)),
                      rtol=1e-5, atol=1e-6)
+
+
+EXTREMA_OVER_A_SPLIT_DIM = {  # name: (fn of one [8, 16] argument, its spec, mesh)
+    "max_of_columns": (lambda h: h.max(1), P(None, "x"), "x8"),
+    "min_of_everything": (lambda h: h.min(), P("x"), "x8"),
+    "logsumexp": (lambda h: jax.nn.logsumexp(h, 1), P(None, ("a", "b")), "a2b4"),
+    "log_softmax": (lambda h: jax.nn.log_softmax(h, 1), P("a", "b"), "a2b4"),
+    "cross_entropy": (lambda h: -jax.nn.log_softmax(h, 1)[:, 3].mean(), P("b", "a"), "a2b4"),
+    "max_pool_rows": (lambda h: jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (4, 1), (4, 1),
+                                                      "VALID"), P("b"), "a2b2c2"),
+    "max_of_bf16": (lambda h: h.astype(jnp.bfloat16).max(0).astype(jnp.float32), P("x"), "x8"),
+}
+
+
+@pytest.mark.parametrize("name", list(EXTREMA_OVER_A_SPLIT_DIM))
+def test_forward_mode_through_a_max_over_a_split_dim(name):
+  """jax.jvp, jax.jacfwd and jax.hessian of a partitioned max / min over a split dim (a
+  logsumexp's, a softmax's, a cross entropy's): JAX gives lax.pmax and lax.pmin no derivative,
+  and all three raised "Differentiation rule for 'pmax' not implemented". spmd's all-reduce of a
+  max has one, reduce_max's (reshard._differentiable_extremum)."""
+  fn, spec, mesh = EXTREMA_OVER_A_SPLIT_DIM[name]
+  partitioned = spmd.partition(fn, mesh=as_mesh(mesh), in_specs=spec)
+  h, t = randn(8, 16), randn(8, 16, seed=1)
+  assert_trees_match(jax.jvp(partitioned, (h,), (t,)), jax.jvp(fn, (h,), (t,)),
+                     rtol=1e-5, atol=1e-5)
+  assert_trees_match(jax.jacfwd(partitioned)(h), jax.jacfwd(fn)(h), rtol=1e-5, atol=1e-5)
+  total = lambda f: lambda h: f(h).sum()  # noqa: E731
+  assert_trees_match(jax.hessian(total(partitioned))(h), jax.hessian(total(fn))(h),
+                     rtol=1e-4, atol=1e-5)
 
 
 def test_uneven_inputs_called_under_set_mesh(mesh):

@@ -802,7 +802,29 @@ def _all_reduce(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
     return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
   if op != "sum" and jnp.iscomplexobj(x):
     return _complex_extremum(x, axes, op)
+  if op != "sum" and jnp.issubdtype(x.dtype, jnp.floating):
+    return _differentiable_extremum(x, axes, op)
   return _ALL_REDUCE[op](x, axes)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _differentiable_extremum(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
+  """``lax.pmax`` / ``lax.pmin``, which JAX gives no derivative, with one: so ``jax.jvp``,
+  ``jax.jacfwd`` and ``jax.hessian`` run through a partitioned max (a logsumexp's, a
+  softmax's) over a split dim. As ``reduce_max``'s: the tangents of the devices whose value is
+  the result, averaged (each device's its own block's average over ties: where the extremum is
+  tied across devices holding it a different number of times, the weights differ from JAX's
+  per element)."""
+  return _ALL_REDUCE[op](x, axes)
+
+
+@_differentiable_extremum.defjvp
+def _extremum_jvp(axes: str | Axes, op: str, primals: tuple, tangents: tuple) -> tuple:
+  (x,), (t,) = primals, tangents
+  out = _differentiable_extremum(x, axes, op)
+  held = x == out
+  count = lax.psum(held.astype(t.dtype), axes)
+  return out, lax.psum(jnp.where(held, t, jnp.zeros_like(t)), axes) / count
 
 
 def _complex_extremum(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
