@@ -26,7 +26,6 @@ import math
 from typing import Any, Hashable, Mapping
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from spmd.partition.devices import mesh_pairs
