@@ -4,7 +4,6 @@ logical rules over "model", on 2x4, 8x1 and 1x8 meshes, uneven sizes included; e
 against the unpartitioned function (helpers.assert_partitioned_matches, or its checks after a
 loop of training steps feeding the state back)."""
 import functools
-from typing import Any, Callable
 
 import flax.linen as nn
 import jax

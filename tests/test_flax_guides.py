@@ -15,7 +15,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -23,8 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (assert_partitioned_matches, assert_trees_match, check_plan, mesh_of,
-                     nnx_steps, randn, train_loop)
+from helpers import assert_trees_match, check_plan, mesh_of, nnx_steps, randn, train_loop
 
 
 # --- the NNX "Scale up on multiple devices" guide ----------------------------------------------

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx, struct
+from flax import nnx
 from flax.training import dynamic_scale as dynamic_scale_lib
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P

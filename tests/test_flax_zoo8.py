@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P

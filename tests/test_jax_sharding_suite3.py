@@ -19,8 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from helpers import (Cases, assert_like_jit, assert_trees_match, both, check_jit, check_plan, get_mesh,
-                     named, randn, same)
+from helpers import Cases, both, check_jit, check_plan, get_mesh, named, randn, same
 
 CASES = Cases()  # functions of no arguments, or pytest.params of one
 MESH = "a2b4"

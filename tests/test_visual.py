@@ -6,7 +6,6 @@ from collections import Counter
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding

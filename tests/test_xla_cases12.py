@@ -15,7 +15,6 @@ compiled HLO and no replicated fallback (tests/helpers.py), and that spmd moves 
 per device than XLA's own partitioner with the same specs; strict xfails give both counts."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

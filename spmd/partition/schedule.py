@@ -18,7 +18,6 @@ form share it.
 """
 from __future__ import annotations
 
-import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
