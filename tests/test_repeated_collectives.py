@@ -191,17 +191,17 @@ def test_reshapes_of_a_key_array_move_once():
 @pytest.mark.parametrize("mesh,spec", [("x8", P(None, "x")), ("a2b4", P("a", "b")),
                                        ("a2b2c2", P("a", ("b", "c")))])
 def test_sums_equal_through_a_stop_gradient_reduce_once(mesh, spec):
-  """``exp(h - m)`` and ``exp(h - stop_gradient(m))`` summed over a split dim (as jax 0.12.1's
-  ``log_softmax`` beside ``softmax``, with the row max): ``stop_gradient`` lowers to nothing, so XLA's CSE merges
-  the two sums and their all-reduce; the plan counted both. The lowered program keeps the
-  ``stop_gradient``: forward-mode derivatives of the partitioned function, which differ between
-  the two sums, are the unpartitioned function's."""
+  """``exp(h - m)`` and ``exp(h - stop_gradient(m))`` of a row max ``m``, summed over a split dim
+  (jax 0.12.1's ``log_softmax`` beside ``softmax``): ``stop_gradient`` lowers to nothing, so
+  XLA's CSE merges the two sums and their all-reduce; the plan counted both. The lowered program
+  keeps the ``stop_gradient``: forward-mode derivatives of the partitioned function, which
+  differ between the two sums, are the unpartitioned function's."""
   def fn(h):
-    m = h.mean(1, keepdims=True)  # not a max: JAX has no derivative of a pmax
+    m = h.max(1, keepdims=True)
     return jnp.exp(h - m).sum(1), jnp.exp(h - jax.lax.stop_gradient(m)).sum(1)
 
   h, t = randn(8, 16), randn(8, 16, seed=1)
   plan = assert_partitioned_matches(fn, (h,), spec, mesh, rtol=1e-5, atol=1e-5)
-  assert _kinds(plan) == ["all-reduce", "all-reduce"], plan.explain()  # the mean, one sum
+  assert _kinds(plan) == ["all-reduce", "all-reduce"], plan.explain()  # the max, one sum
   partitioned = spmd.partition(fn, mesh=as_mesh(mesh), in_specs=spec)
   assert_trees_match(jax.jvp(partitioned, (h,), (t,)), jax.jvp(fn, (h,), (t,)), 1e-5, 1e-5)

@@ -116,8 +116,10 @@ class _Marker:
     self._ops(region.ops, scope)
     self._transfers(region.exit, scope)
 
-  def _buffer(self, v: Value, form: TensorSharding) -> _Buffer:
-    return self.buffers.setdefault((self.aliases.get(v, v), form), _Buffer())
+  def _buffer(self, v: Value, form: TensorSharding, made: _Buffer | None = None) -> _Buffer:
+    """The buffer holding ``v`` in ``form``: where none is named yet, ``made`` (or a new one)."""
+    return self.buffers.setdefault((self.aliases.get(v, v), form),
+                                   _Buffer() if made is None else made)
 
   def _written(self, s: ScheduledOp, scope: int) -> None:
     """The buffers an op run on local blocks alone writes. A reshape in effect or a
@@ -133,8 +135,7 @@ class _Marker:
       read, written = (math.prod(f.local_shape(v.shape, self.mesh)) for v, f in
                        [(op.inputs[0], s.reads[0]), (op.outputs[0], s.writes[0])])
       if read == written:
-        self.buffers.setdefault((self.aliases.get(op.outputs[0], op.outputs[0]), s.writes[0]),
-                                self._buffer(op.inputs[0], s.reads[0]))
+        self._buffer(op.outputs[0], s.writes[0], self._buffer(op.inputs[0], s.reads[0]))
       return
     if op.merge_params is None or op.regions:  # XLA merges no loops or conditionals
       return
@@ -142,7 +143,7 @@ class _Marker:
                      else (literal_key(x.val), str(x.aval)) for x, f in zip(op.inputs, s.reads))
     first = self.computed.setdefault((scope, op.merge_params, operands, s.writes), s)
     for v, w, earlier in zip(op.outputs, s.writes, first.op.outputs):
-      self.buffers.setdefault((self.aliases.get(v, v), w), self._buffer(earlier, w))
+      self._buffer(v, w, self._buffer(earlier, w))
 
   def _hops(self, s: ScheduledOp, scope: int) -> None:
     """Keeps in ``s.halo_hops`` the ppermutes that send no piece sent before in ``scope``."""
@@ -187,7 +188,7 @@ class _Marker:
       made, repeated = self._run(step, v.shape, place, runs)
       runs.append(_Run(step, v.shape, made))
       repeats.append(repeated)
-      self.buffers.setdefault((self.aliases.get(v, v), step.after), made)
+      self._buffer(v, step.after, made)
       buffer = made
     return tuple(repeats)
 
