@@ -716,6 +716,26 @@ def test_scatter_int(mesh, sx, su):
   assert_partitioned_matches(fn, (ints(8, 16), ints(4, 16, seed=1), dup), (sx, su, P()), mesh)
 
 
+@pytest.mark.parametrize("mode", [lax.GatherScatterMode.CLIP,
+                                  lax.GatherScatterMode.PROMISE_IN_BOUNDS])
+@pytest.mark.parametrize("mesh,sx", [("x8", P("x")), ("a2b4", P("a", "b")), ("a2b4", P("b"))])
+def test_scatter_of_windows_clamped_along_an_indexed_dim(mesh, sx, mode):
+  """Rows 3..15 of indexed rows (x.at[i, 3:] is such a scatter, and the gradient of x[i, 3:]):
+  the start along the windowed dim is clamped by the window's length, not the dim's (which
+  clamped it to 0 where the indexed rows were split: wrong values)."""
+  dn = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                   scatter_dims_to_operand_dims=(0, 1))
+  rows = np.array([[5, 3], [0, 3], [2, 3], [7, 2]], np.int32)
+  i = np.array([5, 0, 2, 2, 1])
+
+  def fn(x, u, rows):
+    return (lax.scatter_add(x, rows, u, dn, mode=mode),
+            jax.grad(lambda x: jnp.sum(x[i, 3:] ** 2) + jnp.sum(x * x))(x))
+
+  assert_partitioned_matches(fn, (randn(8, 16), randn(4, 13, seed=1), rows), (sx, P(), P()),
+                             mesh)
+
+
 # --- sort and top_k ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mesh,spec", SPECS_2D[1:], ids=_ids(SPECS_2D[1:]))

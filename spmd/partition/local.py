@@ -459,10 +459,12 @@ def scatter(local: Local, args: list) -> list:
   local_shape = local.shape(op.inputs[0], read)
   owned = [(j, d) for j, d in enumerate(dn.scatter_dims_to_operand_dims) if read.dims[d]]
   if owned:
-    window = {d: 1 for d in dn.inserted_window_dims}
+    windowed = [d for d in range(len(global_shape))
+                if d not in (*dn.inserted_window_dims, *dn.operand_batching_dims)]
+    window = {d: op.inputs[2].aval.shape[w] for d, w in zip(windowed, dn.update_window_dims)}
     starts = [indices[..., j] for j in range(indices.shape[-1])]
     for j, d in enumerate(dn.scatter_dims_to_operand_dims):
-      size = window.get(d, global_shape[d])
+      size = window.get(d, 1)  # an update window's rows, clamped into the operand
       if mode != lax.GatherScatterMode.FILL_OR_DROP:
         starts[j] = jnp.clip(starts[j], 0, global_shape[d] - size)
     for j, d in owned:
