@@ -166,3 +166,29 @@ def test_per_call_bytes_count_loop_trips():
   assert plan.step_bytes == (10 + 10 + 1) * per_layer
   assert any("while loop whose trip count is unknown" in w for w in plan.warnings)
   assert "per call (loop trips counted)" in plan.explain()
+
+
+SLICED_CONCATENATES = {  # a slice reading one piece of a concatenate: the others are dead
+    "partition_then_first_k": (lambda x: jnp.sort(jnp.partition(x, 2, axis=1)[:, :3], axis=1),
+                               (6, 10), P("a", "b"), {"top_k": 1}),
+    "strided_rows_of_the_first_piece": (
+        lambda x: jnp.concatenate([jnp.sort(x, 1), jnp.cumsum(x, 1)], 1)[:, 1:9:3],
+        (6, 10), P("a", "b"), {"sort": 1, "cumsum": 0}),
+    "the_second_piece_strided": (
+        lambda x: jnp.concatenate([jnp.sort(x, 1), jnp.cumsum(x, 1)], 1)[:, 10:16:2],
+        (6, 10), P("a", "b"), {"sort": 0, "cumsum": 1}),
+    "rows_of_the_first_piece_of_a_sharded_dim": (
+        lambda x: jnp.concatenate([x, jnp.sort(x, 0)], 0)[2:7], (8, 16), P("b"), {"sort": 0}),
+}
+
+
+@pytest.mark.parametrize("name", SLICED_CONCATENATES)
+def test_a_slice_of_one_piece_of_a_concatenate_plans_that_piece_alone(name):
+  """XLA's simplifier makes such a slice a slice of the piece, and the other pieces' ops (a
+  top_k, a sort, a cumulative sum and their gathers) drop out: the plan counts them no more."""
+  fn, shape, spec, counts = SLICED_CONCATENATES[name]
+  x = jax.random.normal(jax.random.key(0), shape)
+  plan = assert_partitioned_matches(fn, (x,), (spec,), "a2b4")
+  ran = [row.primitive for row in plan.rows]
+  assert "concatenate" not in ran, plan.explain()
+  assert {p: ran.count(p) for p in counts} == counts, plan.explain()

@@ -661,6 +661,39 @@ def _merge_pad_slices(ops: list[Op]) -> None:
     ops[k] = replace(op, primitive="pad", params=params, inputs=pad.inputs, eqn=eqn)
 
 
+def _slices_of_one_piece(ops: list[Op]) -> None:
+  """Replaces every ``slice`` of a ``concatenate``'s result that reads one of its pieces alone
+  by a slice of that piece, here and in regions, as XLA's simplifier does: the other pieces
+  may then be dead (``jnp.partition(x, k)[:, :k]`` computes one top_k, not two)."""
+  producer = {v: op for op in ops for v in op.outputs}
+  for k, op in enumerate(ops):
+    for region in op.regions:
+      _slices_of_one_piece(region.ops)
+    joined = producer.get(op.inputs[0]) if op.eqn.primitive is lax.slice_p else None
+    if joined is None or joined.eqn.primitive is not lax.concatenate_p:
+      continue
+    d, p = joined.params["dimension"], op.params
+    stride = (p["strides"] or (1,) * len(p["start_indices"]))[d]
+    first, end = p["start_indices"][d], p["limit_indices"][d]
+    last = first + (end - first - 1) // stride * stride  # the last row read
+    offset = 0
+    for piece in joined.inputs:
+      n = piece.aval.shape[d]
+      if offset <= first and last < offset + n:
+        break
+      offset += n
+    else:
+      continue
+    params = dict(p, start_indices=_set(p["start_indices"], d, first - offset),
+                  limit_indices=_set(p["limit_indices"], d, last - offset + 1))
+    eqn = op.eqn.replace(params=params, invars=[joined.eqn.invars[joined.inputs.index(piece)]])
+    ops[k] = replace(op, params=params, inputs=(piece,), eqn=eqn)
+
+
+def _set(values: tuple[int, ...], d: int, value: int) -> tuple[int, ...]:
+  return values[:d] + (value,) + values[d + 1:]
+
+
 def _hoist_invariants(ops: list[Op]) -> list[Op]:
   """Loop-invariant code motion, as XLA does it: ``ops`` with their loops' bodies reading the
   loop's operand itself where they read one of its consts (the same value on every trip), and
@@ -808,7 +841,7 @@ def literal_key(val: Any) -> Any:
 def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   """Builds the program of a traced function: calls inlined, common subexpressions merged,
   constants folded, dynamic slices at literal starts made slices, rolls made one op, slices of
-  pads made pads, dead ops dropped, loop invariants read from outside their loops, ops numbered
+  pads made pads, slices of one piece of a concatenate made slices of it, dead ops dropped, loop invariants read from outside their loops, ops numbered
   depth-first. ``platform`` (as JAX lowers for it: "cpu", "cuda", "tpu") picks the branch of
   each platform-dependent cond."""
   builder = _Builder(platform)
@@ -820,6 +853,7 @@ def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
   _static_dynamic_slices(ops)
   fuse_rolls(ops)
   _merge_pad_slices(ops)
+  _slices_of_one_piece(ops)
   program = Program(top.inputs, _hoist_invariants(_prune(ops, outputs)), outputs, ())
   for index, op in enumerate(program.all_ops()):
     op.index = index
