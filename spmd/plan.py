@@ -13,8 +13,9 @@ from spmd.partition.sharding import Axes
 class HaloExchange:
   """One ppermute of a halo exchange along dim ``dim`` of operand ``operand``, split in
   ``shards`` blocks: ``rows`` rows from the block ``hop`` places before each block (``side``
-  "left"), after it ("right"), after it cyclically ("rotate"), or the mirrored block whole
-  ("mirror"); ``pairs`` are the (sender, receiver) blocks the ppermute connects."""
+  "left"), after it ("right"), after it cyclically ("rotate"), from blocks at several distances
+  ("route", ``hop`` 0), or the mirrored block whole ("mirror"); ``pairs`` are the (sender,
+  receiver) blocks the ppermute connects."""
 
   operand: int
   dim: int

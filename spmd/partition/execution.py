@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from spmd.partition.halo_geometry import (Exchange, Halo, Hop, geometry, hops, joint_mirrors,
-                                          plan_reversal, plan_rotation, plan_scatter_halos,
-                                          plan_window)
+                                          plan_concatenation, plan_reversal, plan_rotation,
+                                          plan_scatter_halos, plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
 from spmd.partition.reshard import ReshardStep, Splat, plan_reshard, sub_blocks
@@ -240,7 +240,23 @@ def _execute(c: Constraint, axes: tuple[Axes, ...], mesh: MeshShape,
   halos = joint_mirrors(_dilated_last(tuple(
       h for w in rule.windows if axes[w.factor] and w not in whole
       for h in _halos(w, axes[w.factor], mesh))))
-  return Execution(c, axes, needs, produces, halos)
+  return Execution(c, axes, needs, produces, _joint_concatenation(rule, axes, halos, mesh))
+
+
+def _joint_concatenation(rule: OpShardingRule, axes: tuple[Axes, ...],
+                         halos: tuple[Exchange, ...], mesh: MeshShape) -> tuple[Exchange, ...]:
+  """``halos``, or, where every operand of a concatenate is exchanged along its sharded dim, one
+  exchange of their blocks together if that moves fewer rows (runs of two operands share a
+  ppermute)."""
+  windows = rule.windows
+  if (len(windows) < 2 or windows[0].mode != "concatenate" or len(halos) != len(windows)
+      or len(windows) != len(rule.operands) or not axes[windows[0].factor]):
+    return halos
+  w = windows[0]
+  joined = plan_concatenation(w.dim, axes[w.factor], tuple(v.window.size for v in windows),
+                              axes_size(axes[w.factor], mesh))
+  rows = lambda exchanges: sum(hop.rows for x in exchanges for hop in hops(x))
+  return (joined,) if rows((joined,)) < rows(halos) else halos
 
 
 def _dilated_last(halos: tuple[Exchange, ...]) -> tuple[Exchange, ...]:

@@ -35,19 +35,25 @@ def mirror(x: jax.Array, m: Mirror, mesh: MeshShape, received: dict, prefix: tup
 
 
 def rotate(x: jax.Array, r: Rotation, shard: Any, mesh: MeshShape, received: dict,
-           prefix: tuple) -> jax.Array:
+           prefix: tuple, pad_value: Any = 0) -> jax.Array:
   """This shard's rows of the rolled dim: the pieces of the shards they rotate from (each sender
-  cuts the piece its receiver needs), in the order ``positions`` reads them."""
+  cuts the piece its receiver needs), in the order ``positions`` reads them; rows outside the
+  array are ``pad_value``."""
   parts = []
   for hop in r.pieces:
     starts = set(hop.starts)
     start = hop.starts[0] if len(starts) == 1 else jnp.asarray(hop.starts, jnp.int32)[shard]
     piece = lax.dynamic_slice_in_dim(x, start, hop.rows, r.dim)
-    parts.append(_receive(piece, hop, mesh, received, prefix) if hop.distance else piece)
+    parts.append(_receive(piece, hop, mesh, received, prefix) if hop.routes else piece)
   buf = lax.concatenate(parts, r.dim) if len(parts) > 1 else parts[0]
   if r.positions is None:
     return buf
-  return jnp.take(buf, jnp.asarray(r.positions, jnp.int32)[shard], axis=r.dim)
+  positions = jnp.asarray(r.positions, jnp.int32)[shard]
+  out = jnp.take(buf, jnp.maximum(positions, 0), axis=r.dim)
+  if not r.padded:
+    return out
+  inside = lax.broadcast_in_dim(positions >= 0, out.shape, (r.dim,))
+  return jnp.where(inside, out, jnp.asarray(pad_value, out.dtype))
 
 
 def exchange(x: jax.Array, halo: Halo, shard: Any, pad_value: Any, mesh: MeshShape,
@@ -101,6 +107,6 @@ def span(x: jax.Array, halo: Halo | Rotation, shard: Any, pad_value: Any, mesh: 
   undilated buffer (its ``exchange``), which the caller ``cut``s once the other dims are
   exchanged, so that they send its rows undilated, as XLA does."""
   if isinstance(halo, Rotation):
-    return rotate(x, halo, shard, mesh, received, prefix)
+    return rotate(x, halo, shard, mesh, received, prefix, pad_value)
   buf = exchange(x, halo, shard, pad_value, mesh, received, prefix)
   return buf if halo.dilation > 1 else cut(buf, halo, shard, pad_value)

@@ -71,8 +71,11 @@ class Hop:
   """One ppermute of an exchange along dim ``dim`` split in ``shards`` blocks of ``block`` rows:
   block i receives ``rows`` rows from block i - ``distance`` (``side`` "left": the sender's last
   rows but ``skip``), from block i + ``distance`` ("right": its first rows after ``skip``), from
-  block i + ``distance`` cyclically starting at row ``starts[sender]`` ("rotate"), or block
-  ``shards - 1 - i`` whole ("mirror")."""
+  block i + ``distance`` cyclically starting at row ``starts[sender]`` ("rotate"; distance 0 and
+  no ``routes``: a block's own rows, not sent), from the blocks ``routes`` pair it with, at
+  several distances, starting at row ``starts[sender]`` ("route"), or block ``shards - 1 - i``
+  whole ("mirror"). ``routes``, where given, are the only (sender, receiver) blocks it
+  connects."""
 
   dim: int
   shards: int
@@ -83,10 +86,13 @@ class Hop:
   rows: int
   starts: tuple[int, ...] = ()
   skip: int = 0
+  routes: tuple[tuple[int, int], ...] = ()
 
   @property
   def pairs(self) -> list[tuple[int, int]]:
     """(sender, receiver) blocks."""
+    if self.routes:
+      return list(self.routes)
     n, k = self.shards, self.distance
     if self.side == "mirror":
       return [(j, n - 1 - j) for j in range(n)]
@@ -284,9 +290,11 @@ class Rotation:
   """Each shard's ``length`` rows taken from runs of rows of other shards' blocks at per-shard
   offsets: roll along a dim (result row o is row (o - shift) mod size), or a window's span cut
   from the blocks it reads (``plan_window``). Shard i receives one piece per hop in ``pieces``
-  (distance 0: its own rows, no exchange); ``positions[i][r]`` is the row of the pieces,
-  concatenated in order, that its row r is (None: they are its block in order, as for a roll
-  of an evenly split dim)."""
+  (one without routes: its own rows, no exchange); ``positions[i][r]`` is the row of the
+  pieces, concatenated in order, that its row r is, -1 for a row outside the array, which holds
+  the op's pad value (None: they are its block in order, as for a roll of an evenly split dim).
+  ``joined``: the block rows of a concatenate's operands, whose blocks, concatenated, are each
+  shard's block here (``plan_concatenation``; ``operand`` is then 0)."""
 
   operand: int
   dim: int
@@ -296,46 +304,119 @@ class Rotation:
   pieces: tuple[Hop, ...]
   positions: tuple[tuple[int, ...], ...] | None
   length: int
+  joined: tuple[int, ...] = ()
 
   @property
   def block(self) -> int:
     return -(-self.size // self.shards)
 
+  @property
+  def padded(self) -> bool:
+    """Some shard's rows lie outside the array."""
+    return self.positions is not None and any(p < 0 for mine in self.positions for p in mine)
+
+
+@dataclass(frozen=True)
+class _Run:
+  """Rows [row, row + rows) of block ``sender``, which are rows [at, at + rows) of block
+  ``receiver``'s span."""
+
+  receiver: int
+  sender: int
+  row: int
+  rows: int
+  at: int
+
+
+def _runs(sources: list[list[int | None]], block: int) -> list[_Run]:
+  """The runs of consecutive rows of one block that each shard's ``sources`` are."""
+  runs: list[_Run] = []
+  for i, rows_of_i in enumerate(sources):
+    for at, source in enumerate(rows_of_i):
+      if source is None:
+        continue
+      j, row = divmod(source, block)
+      last = runs[-1] if runs else None
+      if (last is not None and (last.receiver, last.sender) == (i, j)
+          and (last.row + last.rows, last.at + last.rows) == (row, at)):
+        runs[-1] = dataclasses.replace(last, rows=last.rows + 1)
+      else:
+        runs.append(_Run(i, j, row, 1, at))
+  return runs
+
+
+def _rounds(runs: list[_Run], shards: int) -> list[list[_Run]]:
+  """``runs`` in ppermutes, each sending at most one run from a block and one into it: a
+  rotation per distance, or, where that moves more rows, distances merged, the longest runs
+  first, each in the first ppermute its sender and receiver are free in (shorter runs ride in
+  ppermutes longer ones pay for)."""
+  def first_fit(ordered: list[_Run]) -> list[list[_Run]]:
+    rounds: list[list[_Run]] = []
+    for run in ordered:
+      free = next((r for r in rounds if all(run.sender != o.sender and run.receiver != o.receiver
+                                             for o in r)), None)
+      if free is None:
+        rounds.append([run])
+      else:
+        free.append(run)
+    return rounds
+
+  by_distance: dict[int, list[_Run]] = {}
+  for r in runs:
+    by_distance.setdefault((r.sender - r.receiver) % shards, []).append(r)
+  rotations = [g for group in by_distance.values() for g in first_fit(group)]
+  merged = first_fit(sorted(runs, key=lambda r: -r.rows))
+  rows = lambda rounds: sum(max(r.rows for r in each) for each in rounds)
+  return merged if rows(merged) < rows(rotations) else rotations
+
+
+def _hop(runs: list[_Run], dim: int, shards: int, axes: Axes, block: int, sent: bool) -> Hop:
+  """The ppermute (``sent``; else a block's own rows) carrying ``runs``: as long as the longest,
+  each sender cutting its run at its receiver's offset (a shorter run's piece starts earlier
+  where it would end past the block)."""
+  rows = max(r.rows for r in runs)
+  starts = {r.sender: min(r.row, block - rows) for r in runs}
+  default = next(iter(starts.values()))
+  distances = {(r.sender - r.receiver) % shards for r in runs}
+  distance = next(iter(distances)) if len(distances) == 1 else 0
+  routes = tuple(sorted((r.sender, r.receiver) for r in runs)) if sent else ()
+  return Hop(dim, shards, axes, block, "rotate" if len(distances) == 1 else "route", distance,
+             rows, tuple(starts.get(j, default) for j in range(shards)), routes=routes)
+
 
 def _plan_pieces(operand: int, dim: int, axes: Axes, size: int, shards: int,
-                 sources: list[list[int]], length: int) -> Rotation:
-  """Shard i's rows are the rows ``sources[i]`` of the dim (its first ``length`` rows; the rest
-  are left unread): a run from the shard ``d`` places after it is piece ``d``, as long as the
-  longest such run, each sender cutting it at its receiver's offset."""
+                 sources: list[list[int | None]], length: int) -> Rotation:
+  """Shard i's rows are the rows ``sources[i]`` of the dim (None: a row outside the array; its
+  first ``length`` rows, the rest are left unread): its own rows one piece, the runs of other
+  shards' rows sent in ppermutes (``_rounds``)."""
   block = -(-size // shards)
-  runs: list[list[tuple[int, int, int]]] = []  # per shard: (distance, first row, rows)
+  runs = _runs(sources, block)
+  own: dict[int, _Run] = {}
+  sent = []
+  for r in runs:
+    if r.sender == r.receiver and r.receiver not in own:
+      own[r.receiver] = r
+    else:
+      sent.append(r)
+  order = {id(r): k for k, r in enumerate(runs)}
+  groups = sorted(([(list(own.values()), False)] if own else [])
+                  + [(g, True) for g in _rounds(sent, shards)],
+                  key=lambda group: min(order[id(r)] for r in group[0]))  # as the rows read them
+  pieces, positions, base = [], [[0] * length for _ in sources], 0
+  for group, is_sent in groups:
+    hop = _hop(group, dim, shards, axes, block, is_sent)
+    for r in group:
+      for t in range(r.rows):
+        positions[r.receiver][r.at + t] = base + r.row - hop.starts[r.sender] + t
+    pieces.append(hop)
+    base += hop.rows
   for i, rows_of_i in enumerate(sources):
-    mine: list[tuple[int, int, int]] = []
-    for source in rows_of_i:
-      j, row = divmod(source, block)
-      d = (j - i) % shards
-      if mine and mine[-1][0] == d and mine[-1][1] + mine[-1][2] == row:
-        mine[-1] = (d, mine[-1][1], mine[-1][2] + 1)
-      else:
-        mine.append((d, row, 1))
-    runs.append(mine)
-  order = list(dict.fromkeys(d for mine in runs for d, _, _ in mine))
-  rows = {d: max(n for mine in runs for e, _, n in mine if e == d) for d in order}
-  starts = {d: [0] * shards for d in order}
-  for i, mine in enumerate(runs):
-    for d, row, _ in mine:
-      starts[d][(i + d) % shards] = min(row, block - rows[d])
-  base = dict(zip(order, [sum(rows[e] for e in order[:k]) for k in range(len(order))]))
-  positions = []
-  for i, mine in enumerate(runs):
-    mine_positions = [base[d] + row - starts[d][(i + d) % shards] + t
-                      for d, row, n in mine for t in range(n)]
-    positions.append(tuple(mine_positions + [0] * (length - len(mine_positions))))
-  pieces = tuple(Hop(dim, shards, axes, block, "rotate", d, rows[d], tuple(starts[d]))
-                 for d in order)
-  identity = all(p == tuple(range(length)) for p in positions)
-  return Rotation(operand, dim, axes, size, shards, pieces,
-                  None if identity else tuple(positions), length)
+    for at, source in enumerate(rows_of_i):
+      if source is None:
+        positions[i][at] = -1
+  identity = all(p == list(range(length)) for p in positions)
+  return Rotation(operand, dim, axes, size, shards, tuple(pieces),
+                  None if identity else tuple(map(tuple, positions)), length)
 
 
 def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
@@ -347,23 +428,37 @@ def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
                        for i in range(shards)], block)
 
 
+def plan_concatenation(dim: int, axes: Axes, sizes: tuple[int, ...], shards: int) -> Rotation:
+  """A concatenate's result blocks along its sharded concatenated dim, of operands of ``sizes``
+  rows there, cut from each shard's operand blocks concatenated: one exchange for them all, in
+  which a ppermute carries runs of any operand (each sender sends one)."""
+  blocks = tuple(-(-n // shards) for n in sizes)
+  width, out = sum(blocks), sum(sizes)
+  joined_rows = [q // block * width + sum(blocks[:k]) + q % block
+                 for k, (n, block) in enumerate(zip(sizes, blocks)) for q in range(n)]
+  length = -(-out // shards)
+  rotation = _plan_pieces(0, dim, axes, width * shards, shards,
+                          [joined_rows[length * i:length * (i + 1)] for i in range(shards)],
+                          length)
+  return dataclasses.replace(rotation, joined=blocks)
+
+
 def plan_window(operand: int, dim: int, axes: Axes, window: Window,
                 shards: int) -> Halo | Rotation | None:
-  """The halo of a windowed dim, or, where every span lies inside the array undilated, the
-  spans cut from the blocks they read at each shard's own offset, if that moves fewer rows (a
+  """The halo of a windowed dim, or, where it is undilated, the spans cut from the blocks they
+  read at each shard's own offset (rows outside the array as pad), if that moves fewer rows (a
   slice whose result blocks start at a different offset in each input block: the halo carries
   the widest reach for every shard, the pieces each shard's rows alone, as XLA does)."""
   halo = plan_halo(operand, dim, axes, window, shards)
   if halo is None or halo.dilation != 1:
     return halo
   active = range(min(shards, -(-window.out // window.on(shards).block_out)))
-  spans = [range(halo.first(i), halo.first(i) + halo.length) for i in active]
-  if any(s.start < 0 or s.stop > halo.size for s in spans):
-    return halo
+  spans = [[p if 0 <= p < halo.size else None
+            for p in range(halo.first(i), halo.first(i) + halo.length)] for i in active]
   pieces = _plan_pieces(operand, dim, axes, halo.size, shards,
-                        [list(s) for s in spans] + [[]] * (shards - len(spans)), halo.length)
-  moved = sum(h.rows for h in pieces.pieces if h.distance)
-  return pieces if moved < sum(h.rows for h in hops(halo)) else halo
+                        spans + [[]] * (shards - len(spans)), halo.length)
+  moved = sum(h.rows for h in hops(pieces))
+  return pieces if pieces.pieces and moved < sum(h.rows for h in hops(halo)) else halo
 
 
 Exchange = Halo | Mirror | Rotation
@@ -380,7 +475,7 @@ def hops(x: Exchange) -> list[Hop]:
   end the sender's block) or to the right (they start it), the mirrored shard's whole block, or
   the pieces a rotation takes from other shards."""
   if isinstance(x, Rotation):
-    return [h for h in x.pieces if h.distance]
+    return [h for h in x.pieces if h.routes]
   if isinstance(x, Mirror):
     shards = x.shards * math.prod(n for _, n in x.also)
     return [Hop(x.dim, shards, x.axes, x.block, "mirror", 0, x.block)]

@@ -164,11 +164,16 @@ def roll(local: Local, args: list) -> list:
 
 def concatenate(local: Local, args: list) -> list:
   """Along a sharded dim each operand's rows for this shard come from its halo span (or, for an
-  operand held whole, from padding it into place); rows are taken by their global index."""
+  operand held whole, from padding it into place); rows are taken by their global index. A
+  joint exchange cuts this shard's rows from the operands' blocks concatenated."""
   op, d = local.op, local.op.params["dimension"]
   axes = local.writes[0].dims[d]
   if not axes:
     return bind(op, args)
+  if len(local.halos) == 1 and isinstance(local.halos[0], Rotation) and local.halos[0].joined:
+    prefix = tuple(zip(*(local.prefix(k, ()) for k in range(len(args)))))
+    return [rotate(lax.concatenate(args, d), local.halos[0], shard_index(axes), local.mesh,
+                   local.received, prefix)]
   args, _ = local.with_halos(args, *([0] * len(args)))
   shape = local.out_shape()
   block, shards = shape[d], math.prod(local.mesh[a] for a in axes)

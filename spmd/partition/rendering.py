@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from jax.tree_util import tree_unflatten
 
-from spmd.partition.halo_geometry import Exchange, Hop
+from spmd.partition.halo_geometry import Exchange, Hop, Rotation
 from spmd.partition.ir import Op, Program, Value, layer
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import describe
@@ -145,7 +145,8 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp) -> Coll
   x = s.op.inputs[h.operand]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, 1,
+                    f"operands' halo (dim {h.dim})" if isinstance(h, Rotation) and h.joined
+                    else f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, 1,
                     HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
                                  tuple(hop.pairs)))
 

@@ -29,7 +29,7 @@ import jax
 from jax.extend import core as jcore
 
 from spmd.partition.devices import mesh_pairs
-from spmd.partition.halo_geometry import Exchange, Hop
+from spmd.partition.halo_geometry import Exchange, Hop, Rotation
 from spmd.partition.ir import Value, hashable_or_none, literal_key, reshapes_in_effect
 from spmd.partition.manual import COLLECTIVES
 from spmd.partition.reshard import ReshardStep
@@ -162,6 +162,8 @@ class _Marker:
     s.halo_hops = tuple(kept)
 
   def _piece(self, s: ScheduledOp, h: Exchange, hop: Hop, scope: int) -> _Piece | None:
+    if isinstance(h, Rotation) and h.joined:  # cut from several operands' blocks
+      return None
     x, read = s.op.inputs[h.operand], s.reads[h.operand]
     local = read.local_shape(x.shape, self.mesh)
     rows = hop.sent_rows(local[hop.dim])

@@ -109,7 +109,7 @@ def _badge(kind: str, label: str, x: float, y: float, title: str, c: Collective 
 
 def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
   """The blocks of the exchanged dim as boxes, an arrow from each sender to its receiver: above
-  for rows from the left, below for rows from the right, through the middle for a rotation or a
+  for rows from the left, below for rows from the right, through the middle for a rotation, a route or a
   mirror."""
   shards = min(h.shards, MAX_SHARDS)
   box, gap = 16, 14
@@ -124,7 +124,8 @@ def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
                              data_to=dst))
   end = x + shards * (box + gap)
   source = {"left": f"{h.hop} block(s) before", "right": f"{h.hop} block(s) after",
-            "rotate": f"{h.hop} block(s) after, cyclically"}.get(h.side, "the mirrored block")
+            "rotate": f"{h.hop} block(s) after, cyclically",
+            "route": "the blocks the arrows name"}.get(h.side, "the mirrored block")
   note = f"dim {h.dim}: {h.rows} rows from {source}"
   parts.append(svg.text(end, y + 15, note))
   return (svg.group(parts, class_="halo", data_dim=h.dim, data_shards=h.shards),

@@ -77,7 +77,8 @@ class WindowedDim:
   operand: int
   dim: int
   window: Window
-  mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev; "rotate": roll
+  mode: str = "window"  # "scatter": select_and_scatter_add; "reverse": rev; "rotate": roll;
+  # "concatenate": a window of a concatenate's operand
   readable_whole: bool = False  # the op may instead read the dim whole (a concatenate's operand)
 
 

@@ -92,7 +92,8 @@ def roll_dynamic(op: Op) -> OpShardingRule:
 def concatenate(op: Op) -> OpShardingRule:
   """Operand k reads the concatenated dim through a window of one row shifted by its offset: a
   halo factor over the result that every operand longer than one row shares; an operand held
-  whole along it may be read whole instead (padded into place, no exchange)."""
+  whole along it may be read whole instead (padded into place, no exchange). With every operand
+  exchanged, their exchanges may be one (execution.py)."""
   dim, out = op.params["dimension"], op.outputs[0].shape
   b = RuleBuilder()
   shared = {d: b.factor(n) for d, n in enumerate(out) if d != dim}
@@ -101,7 +102,7 @@ def concatenate(op: Op) -> OpShardingRule:
   for k, x in enumerate(op.inputs):
     n = x.aval.shape[dim]
     f = b.windowed(k, dim, Window(n, out[dim], lo=offset, hi=out[dim] - offset - n),
-                   factor=joined, readable_whole=True) if n > 1 else None
+                   mode="concatenate", factor=joined, readable_whole=True) if n > 1 else None
     operands.append([f if d == dim else shared[d] for d in range(len(out))])
     offset += n
   return b.build(operands, [[joined if d == dim else shared[d] for d in range(len(out))]])
