@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from helpers import check_plan, randn
 
 
 @pytest.fixture(scope="module")
@@ -513,6 +514,20 @@ def test_spec_that_differs_from_the_committed_sharding_is_resharded_inside(mesh)
   assert not [r for r in g.plan(np.asarray(X), W).rows if r.primitive == "input[0]"]
   grad = jax.grad(lambda x: g(x, W).sum())(x)  # an eager grad sees concrete committed primals
   np.testing.assert_allclose(grad, jax.grad(lambda x: f(x, W).sum())(X), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,spec", [((4, 16, 6), P(None, "data", None)),
+                                        ((3, 16, 6), P("model", "data", None))])
+def test_an_argument_resharded_on_entry_is_read_as_resharded(mesh, shape, spec):
+  """A scatter whose result propagates to the argument's committed sharding: it reads the
+  argument as the entry's reshard made it (the plan priced that reshard while the op read the
+  committed blocks, and the compiled program had no such collective)."""
+  f = lambda mem, g: mem.at[1].set(g)  # noqa: E731
+  mem = jax.device_put(randn(*shape), NamedSharding(mesh, P(None, None, "data")))
+  g = jnp.asarray(randn(16, 6, seed=1))
+  partitioned = spmd.partition(f, mesh=mesh, in_specs=(spec, P("model", "data")))
+  np.testing.assert_array_equal(partitioned(mem, g), f(jnp.asarray(np.asarray(mem)), g))
+  check_plan(partitioned, mem, g)
 
 
 def test_uneven_param_fed_back_over_training_steps():

@@ -538,6 +538,9 @@ def schedule(program: Program, facts: ProgramFacts, shardings: Mapping[Value, Te
   for k, (v, want) in enumerate(zip(program.inputs, entries)):
     if want is not None:
       s.acquire(v, want, entry, Slot("input", k))
+      if entry and entry[-1].value is v and entry[-1].moved:
+        s.forms[v] = [want]  # read as the entry made it, never as it arrived: that would leave
+        # the entry's collectives unread, and the compiled program without them
   ops = [s.op(op) for op in program.ops]
   exit_transfers: list[Transfer] = []
   for k, (x, want) in enumerate(zip(program.outputs, outputs)):
