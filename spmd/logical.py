@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
+import numpy as np
 from flax.core import meta as flax_meta
 from flax.core import spmd as flax_spmd
 from flax.linen import logical_to_mesh_axes
@@ -108,10 +109,17 @@ def box_specs(tree: Any) -> list[P | None]:
 
 
 def _box_spec(item: Any, variable: Any) -> P | None:
+  """The box's names, where they name each dim of its value: flax gives an optimizer's state the
+  names of its param, whose rank a factored moment (adafactor's) or a stacked memory (lbfgs's)
+  does not have; such a leaf is open, as ``nnx.jit`` leaves it."""
+  spec = None
   if isinstance(item, flax_meta.AxisMetadata) and hasattr(item, "get_partition_spec"):
-    return item.get_partition_spec()
-  if variable and isinstance(item, variable):
+    spec = item.get_partition_spec()
+  elif variable and isinstance(item, variable):
     metadata = item.get_metadata()
     names = metadata.get("out_sharding") or metadata.get("sharding")
-    return P(*names) if names else None
-  return None
+    spec = P(*names) if names else None
+  leaves = jax.tree_util.tree_leaves(item)
+  if spec is None or len(leaves) != 1 or len(spec) != len(np.shape(leaves[0])):
+    return None
+  return spec
