@@ -1,6 +1,7 @@
 """The plan says what a GSPMD expert predicts, and no more bytes than XLA's own choice."""
 import jax
 import jax.numpy as jnp
+from jax import lax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -192,3 +193,45 @@ def test_a_slice_of_one_piece_of_a_concatenate_plans_that_piece_alone(name):
   ran = [row.primitive for row in plan.rows]
   assert "concatenate" not in ran, plan.explain()
   assert {p: ran.count(p) for p in counts} == counts, plan.explain()
+
+
+_X, _W, _ONE = jax.random.normal(jax.random.key(1), (8, 8)), jax.random.normal(
+    jax.random.key(2), (8, 8)), jnp.float32(1.0)
+DEAD_RESULTS = {  # control flow whose results, carries or operands nothing reads
+    "grad_of_a_sum_of_a_cond": (jax.grad(lambda x, w, p: jnp.sum(lax.cond(
+        p > 0, lambda: jnp.sin(x) @ w, lambda: x @ w)), argnums=(0, 1)), (_X, _W, _ONE)),
+    "one_result_of_a_cond": (lambda x, w, p: lax.cond(
+        p > 0, lambda: (x @ w, x.sum()), lambda: (x @ w.T, x.max()))[1], (_X, _W, _ONE)),
+    "one_result_of_a_switch": (lambda x, w, p: lax.switch(
+        (p > 0).astype(jnp.int32), [lambda: (x @ w, x.sum()), lambda: (x @ w.T, x.max()),
+                                    lambda: (x, x.min())])[1], (_X, _W, _ONE)),
+    "a_fori_carry_read_by_nothing": (lambda x, w: lax.fori_loop(
+        0, 3, lambda i, c: (jnp.sin(c[0]), c[1] @ w), (x, x))[0], (_X, _W)),
+    "a_while_carry_read_by_nothing": (lambda x, w: lax.while_loop(
+        lambda c: c[2] < 3, lambda c: (jnp.sin(c[0]), c[1] @ w, c[2] + 1), (x, x, 0))[0],
+        (_X, _W)),
+    "two_carries_reading_only_each_other": (lambda x, w: lax.fori_loop(
+        0, 3, lambda i, c: (jnp.sin(c[0]), c[2] @ w, c[1] @ w.T), (x, x, x))[0], (_X, _W)),
+    "a_scan_carry_beside_stacked_results": (lambda x, w: lax.scan(
+        lambda c, a: ((jnp.sin(c[0]), c[1] @ w), c[0].sum(0) * a), (x, x), jnp.arange(3.0))[1],
+        (_X, _W)),
+}
+
+
+@pytest.mark.parametrize("name", DEAD_RESULTS)
+def test_dead_results_of_control_flow_leave_the_plan(name):
+  """XLA drops a conditional's results nothing reads (the forward result of jax.grad of a sum
+  of a cond) and a loop's carries nothing reads, with the ops computing them: so does the plan
+  (it priced their collectives, which the compiled program does not run)."""
+  fn, args = DEAD_RESULTS[name]
+  plan = assert_partitioned_matches(fn, args, (P(None, "x"), P("x"), P())[:len(args)], "x8")
+  dots = [row for row in plan.rows if row.primitive == "dot_general"]
+  assert len(dots) == (4 if name == "grad_of_a_sum_of_a_cond" else 0), plan.explain()
+
+
+def test_a_carry_a_live_carry_reads_stays():
+  """A carry read by nothing after the loop but added into a live one each trip is live."""
+  fn = lambda x, w: lax.fori_loop(0, 3, lambda i, c: (jnp.sin(c[0]) + c[1], c[1] @ w),  # noqa
+                                  (x, x))[0]
+  plan = assert_partitioned_matches(fn, (_X, _W), (P(None, "x"), P("x")), "x8")
+  assert plan.total_bytes > 0, plan.explain()

@@ -9,7 +9,7 @@ import functools
 import itertools
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -282,7 +282,8 @@ def _read(env: dict, var: Any) -> Atom:
 
 
 def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
-  """Drops ops whose results nothing uses (XLA deletes them too); effectful ops stay."""
+  """Drops ops whose results nothing uses (XLA deletes them too, and a conditional's and a
+  loop's dead results with what computes them); effectful ops stay."""
   live = {a for a in outputs if isinstance(a, Value)}
   kept: list[Op] = []
   for op in reversed(ops):
@@ -290,11 +291,69 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
       continue
     if op.primitive == "scan":
       _drop_dead_stacked_outputs(op, live)
+    if op.primitive == "cond":
+      _drop_dead_branch_outputs(op, live)
+    if op.primitive in ("scan", "while"):
+      _pass_dead_carries_through(op, live)
     for region in op.regions:
       region.ops = _prune(region.ops, region.outputs)
+    if op.primitive == "cond":
+      _drop_unread_branch_operands(op)
     live.update(a for a in op.inputs if isinstance(a, Value))
     kept.append(op)
   return kept[::-1]
+
+
+def _values_read(ops: list[Op], outputs: Sequence[Atom]) -> set[Value]:
+  """The values computing ``outputs`` (and the effects of ``ops``) reads, themselves included."""
+  live = {a for a in outputs if isinstance(a, Value)}
+  for op in reversed(ops):
+    if op.eqn.effects or any(v in live for v in op.outputs):
+      live.update(a for a in op.inputs if isinstance(a, Value))
+  return live
+
+
+def _drop_dead_branch_outputs(cond: Op, live: set) -> None:
+  """A conditional's results that nothing reads leave it, with each branch's output there."""
+  keep = [j for j, v in enumerate(cond.outputs) if v in live]
+  cond.outputs = tuple(cond.outputs[j] for j in keep)
+  for branch in cond.regions:
+    branch.outputs = tuple(branch.outputs[j] for j in keep)
+
+
+def _drop_unread_branch_operands(cond: Op) -> None:
+  """A conditional's operands that no branch reads leave it (the branch index stays)."""
+  keep = [k for k in range(len(cond.inputs) - 1)
+          if any(branch.inputs[k] in _values_read(branch.ops, branch.outputs)
+                 for branch in cond.regions)]
+  cond.inputs = (cond.inputs[0], *(cond.inputs[k + 1] for k in keep))
+  for branch in cond.regions:
+    branch.inputs = tuple(branch.inputs[k] for k in keep)
+
+
+def _pass_dead_carries_through(loop: Op, live: set) -> None:
+  """A loop's carries that nothing reads after it, its condition does not read and no live
+  carry is computed from are passed through its body unchanged, so the ops computing them are
+  dead (XLA's while-loop simplifier removes such carries)."""
+  if loop.primitive == "scan":
+    (body,), layout = loop.regions, scan_layout(loop.params)
+    first, carries, reads = layout.num_consts, layout.num_carry, set()
+    stacked = body.outputs[carries:]
+  else:
+    (cond, body), first = loop.regions, loop.params["body_nconsts"]
+    carries, stacked = len(loop.outputs), ()
+    cond_first = loop.params["cond_nconsts"]
+    reads = {j for j in range(carries)
+             if cond.inputs[cond_first + j] in _values_read(cond.ops, cond.outputs)}
+  needed = {j for j in range(carries) if loop.outputs[j] in live} | reads
+  while True:
+    used = _values_read(body.ops, [*(body.outputs[j] for j in needed), *stacked])
+    more = needed | {j for j in range(carries) if body.inputs[first + j] in used}
+    if more == needed:
+      break
+    needed = more
+  body.outputs = tuple(out if j >= carries or j in needed else body.inputs[first + j]
+                       for j, out in enumerate(body.outputs))
 
 
 def _drop_dead_stacked_outputs(scan: Op, live: set) -> None:
