@@ -235,3 +235,56 @@ def test_a_carry_a_live_carry_reads_stays():
                                   (x, x))[0]
   plan = assert_partitioned_matches(fn, (_X, _W), (P(None, "x"), P("x")), "x8")
   assert plan.total_bytes > 0, plan.explain()
+
+
+KNOWN_BRANCHES = {  # a cond or switch whose index is known when the program is built
+    "cond_by_a_python_bool": lambda x, w: lax.cond(True, lambda: x @ w, lambda: x @ w.T),
+    "switch_by_an_index_past_the_last": lambda x, w: lax.switch(
+        5, [lambda: x @ w, lambda: x @ w.T]),
+    "switch_by_a_negative_index": lambda x, w: lax.switch(-1, [lambda: x @ w,
+                                                               lambda: jnp.sin(x)]),
+    "grad_of_a_cond_by_a_python_bool": jax.grad(lambda x, w: jnp.sum(lax.cond(
+        False, lambda: x @ w, lambda: jnp.tanh(x) @ w.T)), argnums=(0, 1)),
+    "switch_inside_a_loop": lambda x, w: lax.fori_loop(
+        0, 2, lambda i, c: lax.switch(1, [lambda: c @ w, lambda: jnp.sin(c)]), x),
+}
+
+
+@pytest.mark.parametrize("name", KNOWN_BRANCHES)
+def test_a_cond_by_a_known_index_is_the_branch_it_picks(name):
+  """XLA inlines a conditional whose index is a constant (JAX clamps a switch's): the plan
+  prices that branch alone (it priced every branch's collectives)."""
+  plan = assert_partitioned_matches(KNOWN_BRANCHES[name], (_X, _W), (P(None, "x"), P("x")), "x8")
+  assert not any(row.primitive == "cond" for row in plan.rows), plan.explain()
+
+
+SUNK_CONSTANTS = {  # a constant read by a cond's branches or a loop's body (fn, args, specs, mesh)
+    "ones_into_both_branches": (
+        lambda x, p: lax.cond(p > 0, lambda c: (c * x).sum(0), lambda c: c.sum(0),
+                              jnp.ones((8, 8))), (_X, _ONE), (P("x"), P()), "x8"),
+    "grad_of_a_sum_of_a_cond_2x4": (jax.grad(lambda x, w, p: jnp.sum(lax.cond(
+        p > 0, lambda: jnp.sin(x) @ w, lambda: x @ (w * 2))), argnums=(0, 1)),
+        (_X, _W, _ONE), (P("a", "b"), P("b"), P()), "a2b4"),
+    "grad_of_a_sum_of_a_cond_2x2x2": (jax.grad(lambda x, w, p: jnp.sum(lax.cond(
+        p > 0, lambda: jnp.sin(x) @ w, lambda: x @ (w * 2))), argnums=(0, 1)),
+        (_X, _W, _ONE), (P("a", "b"), P("b", "c"), P()), "a2b2c2"),
+    "a_mask_into_both_branches": (
+        lambda x, p: lax.cond(p > 0, lambda m: (m * x).sum(1), lambda m: (m + x).sum(1),
+                              jnp.tril(jnp.ones((8, 8)))), (_X, _ONE), (P(None, "x"), P()), "x8"),
+    "ones_read_by_a_scan_body": (lambda x: lax.scan(
+        lambda c, a: (c + (a * jnp.ones((8, 8))).sum(0), c.sum()), jnp.zeros(8), x)[0],
+        (_X,), (P("x"),), "x8"),
+    "an_identity_read_by_a_while_body": (lambda x, w: lax.while_loop(
+        lambda c: c[1] < 3, lambda c: (c[0] @ w + jnp.eye(8).sum(0), c[1] + 1), (x, 0))[0],
+        (_X, _W), (P(None, "x"), P("x")), "x8"),
+}
+
+
+@pytest.mark.parametrize("name", SUNK_CONSTANTS)
+def test_constants_read_inside_control_flow_are_made_there(name):
+  """XLA sinks a constant operand into the branches and loop bodies reading it, where each use
+  takes it in its own sharding (a branch summing ones sums a replicated block, folded; the
+  cotangent of jax.grad's sum is made in each branch): the plan prices that (it reduced and
+  gathered the constant as the other branch's sharding asked)."""
+  fn, args, specs, mesh = SUNK_CONSTANTS[name]
+  assert_partitioned_matches(fn, args, specs, mesh)

@@ -435,28 +435,41 @@ def _split_constants(ops: list[Op], outputs: tuple[Atom, ...]
   """Each further reader of a value computed from literals and iotas alone reads its own copy of
   that computation, as Shardy's constant splitter gives each use its own: the sharding one reader
   gives a constant does not reach the others (the cotangent ``jax.grad`` of a sum seeds, read by
-  the gradient of every argument). cse.py merges the copies that end up in one sharding."""
+  the gradient of every argument). cse.py merges the copies that end up in one sharding. A
+  conditional's or a loop's region reading such a value as an operand the same on every trip
+  computes its own copy (XLA sinks constants into branches and loop bodies)."""
   made: dict[Value, Op] = {}  # constant values -> the op making them
   read: set[Value] = set()
   kept: list[Op] = []
 
-  def copy(v: Value) -> Value:
+  def copy(v: Value, into: list[Op]) -> Value:
     op = made[v]
-    clone = replace(op, inputs=tuple(copy(a) if isinstance(a, Value) and a in made else a
+    clone = replace(op, inputs=tuple(copy(a, into) if isinstance(a, Value) and a in made else a
                                      for a in op.inputs),
                     outputs=tuple(Value(o.aval) for o in op.outputs))
-    kept.append(clone)
+    into.append(clone)
     return clone.outputs[op.outputs.index(v)]
 
   def reader(atoms: tuple[Atom, ...]) -> tuple[Atom, ...]:
     mine: dict[Value, Value] = {}  # one op reading a constant twice reads one copy
     for a in atoms:
       if isinstance(a, Value) and a in made and a not in mine:
-        mine[a] = copy(a) if a in read else a
+        mine[a] = copy(a, kept) if a in read else a
         read.add(a)
     return tuple(mine.get(a, a) if isinstance(a, Value) else a for a in atoms)
 
+  def sink(op: Op) -> None:
+    for k, region, j in _invariant_region_inputs(op):
+      if isinstance(op.inputs[k], Value) and op.inputs[k] in made:
+        inside: list[Op] = []
+        names = {region.inputs[j]: copy(op.inputs[k], inside)}
+        _substitute(region.ops, names)
+        region.ops = inside + region.ops
+        region.outputs = tuple(names.get(a, a) if isinstance(a, Value) else a
+                               for a in region.outputs)
+
   for op in ops:
+    sink(op)
     for region in op.regions:
       region.ops, region.outputs = _split_constants(region.ops, region.outputs)
     op.inputs = reader(op.inputs)
@@ -465,6 +478,49 @@ def _split_constants(ops: list[Op], outputs: tuple[Atom, ...]
       made.update((v, op) for v in op.outputs)
     kept.append(op)
   return kept, reader(outputs)
+
+
+def _invariant_region_inputs(op: Op) -> list[tuple[int, Region, int]]:
+  """(operand k, region, its input j): a conditional's operands in each branch, a loop's consts
+  in its body (and a while's in its condition): the same value on every trip."""
+  if op.primitive == "cond":
+    return [(k + 1, branch, k) for branch in op.regions for k in range(len(op.inputs) - 1)]
+  if op.primitive == "scan":
+    return [(k, op.regions[0], k) for k in range(scan_layout(op.params).num_consts)]
+  if op.primitive == "while":
+    cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
+    cond, body = op.regions
+    return [(k, cond, k) for k in range(cn)] + [(cn + k, body, k) for k in range(bn)]
+  return []
+
+
+def _inline_chosen_branches(ops: list[Op], outputs: tuple[Atom, ...]
+                            ) -> tuple[list[Op], tuple[Atom, ...]]:
+  """Every ``cond`` whose branch index is a scalar literal, or made from them by elementwise ops
+  (``lax.cond(True, ...)``, a ``switch`` by a Python int, which JAX clamps), replaced by the
+  branch it picks, here and in regions, as XLA's conditional simplifier inlines it."""
+  makers: dict[Value, Op] = {}
+  splats: dict[Value, np.ndarray | None] = {}
+  names: dict[Value, Atom] = {}  # a replaced cond's result -> what its branch returns there
+  kept: list[Op] = []
+  for op in ops:
+    op.inputs = tuple(names.get(a, a) if isinstance(a, Value) else a for a in op.inputs)
+    for region in op.regions:
+      region.ops, region.outputs = _inline_chosen_branches(region.ops, region.outputs)
+    index = (_splat(op.inputs[0], makers, splats, _SPLAT_DEPTH) if op.primitive == "cond"
+             else None)
+    if index is None:
+      kept.append(op)
+      makers.update((v, op) for v in op.outputs)
+      continue
+    branch = op.regions[int(np.clip(index, 0, len(op.regions) - 1))]
+    operands = dict(zip(branch.inputs, op.inputs[1:]))
+    _substitute(branch.ops, operands)
+    kept.extend(branch.ops)
+    makers.update((v, inner) for inner in branch.ops for v in inner.outputs)
+    names.update((v, operands.get(out, out) if isinstance(out, Value) else out)
+                 for v, out in zip(op.outputs, branch.outputs))
+  return kept, tuple(names.get(a, a) if isinstance(a, Value) else a for a in outputs)
 
 
 def _only_case(op: Op, equal: Mapping[Value, Value]) -> Value | None:
@@ -898,14 +954,15 @@ def literal_key(val: Any) -> Any:
 
 
 def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:
-  """Builds the program of a traced function: calls inlined, common subexpressions merged,
-  constants folded, dynamic slices at literal starts made slices, rolls made one op, slices of
-  pads made pads, slices of one piece of a concatenate made slices of it, dead ops dropped, loop invariants read from outside their loops, ops numbered
+  """Builds the program of a traced function: calls and the branches of conds by a known index
+  inlined, common subexpressions merged, constants folded, dynamic slices at literal starts made
+  slices, rolls made one op, slices of pads made pads, slices of one piece of a concatenate made
+  slices of it, dead ops dropped, loop invariants read from outside their loops, ops numbered
   depth-first. ``platform`` (as JAX lowers for it: "cpu", "cuda", "tpu") picks the branch of
   each platform-dependent cond."""
   builder = _Builder(platform)
   top = builder.region(closed)
-  ops, outputs = _dedupe(top.ops, top.outputs)
+  ops, outputs = _dedupe(*_inline_chosen_branches(top.ops, top.outputs))
   ops, outputs = _split_constants(ops, outputs)
   ops, folded = fold_constants(ops)
   folded += fold_region_empties(ops)
