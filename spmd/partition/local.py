@@ -455,7 +455,8 @@ def _fill_value(p: dict, dtype: Any) -> Any:
 def scatter(local: Local, args: list) -> list:
   """Each device applies the updates that land in the operand rows it owns (indices shifted,
   the rest dropped); when the updates themselves are split (scatter-add), only one device of
-  each group keeps the operand, so the partial results sum to the answer."""
+  each group keeps the operand, so the partial results sum to the answer (scatter-max and -min
+  keep it on every device: their partial results combine by max or min)."""
   p, op = local.op.params, local.op
   dn, mode = p["dimension_numbers"], p["mode"]
   operand, indices, updates = args[:3]
@@ -479,6 +480,6 @@ def scatter(local: Local, args: list) -> list:
       starts[j] = jnp.where(in_bounds, rel, local_shape[d])  # out of range: dropped
     indices = jnp.stack(starts, -1).astype(indices.dtype)
     mode = lax.GatherScatterMode.FILL_OR_DROP
-  if local.partial_axes:
+  if local.partial_axes and local.writes[0].partial_op == "sum":  # (max, min: on every one)
     operand = jnp.where(shard_index(local.partial_axes) == 0, operand, jnp.zeros_like(operand))
   return bind(op, [operand, indices, updates, *args[3:]], mode=mode)

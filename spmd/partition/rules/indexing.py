@@ -179,16 +179,18 @@ def gather(op: Op) -> OpShardingRule:
   return b.build([operand_dims, index_dims], [result])
 
 
-def scatter(additive: bool) -> Callable[[Op], OpShardingRule]:
+def scatter(combiner: str | None) -> Callable[[Op], OpShardingRule]:
   """Operand and result share every dim (each device applies the updates that land in its part);
   update window dims pass when whole, and a dim a window covers in part is whole on the operand
   and result too (a device would drop or shift a window straddling its part); when the updates
-  are ``additive`` (scatter-add and -sub) the scatter batch dims of updates and indices are
-  reductions (each device adds its part, the results are summed)."""
-  return functools.partial(_scatter, additive=additive)
+  combine by a ``combiner`` ("sum": scatter-add and -sub; "max", "min") the scatter batch dims
+  of updates and indices are reductions (each device applies its part of the updates, the
+  results combine: summed, each device but one adding to zeros; or their max or min, every
+  device's from the operand, which max and min may count several times)."""
+  return functools.partial(_scatter, combiner=combiner)
 
 
-def _scatter(op: Op, additive: bool) -> OpShardingRule:
+def _scatter(op: Op, combiner: str | None) -> OpShardingRule:
   dn = op.params["dimension_numbers"]
   operand, indices, updates = (x.aval.shape for x in op.inputs[:3])
   b = RuleBuilder()
@@ -207,10 +209,11 @@ def _scatter(op: Op, additive: bool) -> OpShardingRule:
     if idim in batching:
       f = operand_dims[batching[idim]]
     else:
-      f = b.factor(indices[idim], REDUCE if additive else WHOLE)
+      f = b.factor(indices[idim], REDUCE if combiner else WHOLE)
     index_dims[idim] = update_dims[ud] = f
   rest = [None] * (len(op.inputs) - 3)
-  return b.build([operand_dims, index_dims, update_dims] + rest, [operand_dims])
+  return b.build([operand_dims, index_dims, update_dims] + rest, [operand_dims],
+                 combiner=combiner or "sum")
 
 
 def _masked_reduction_ok(op: Op) -> bool:
