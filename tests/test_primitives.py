@@ -377,6 +377,20 @@ def test_reduce(name, axis):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.int8, np.uint32, np.bool_])
+@pytest.mark.parametrize("rows,mesh,spec", [(8, "x8", P("x")), (13, "x8", P("x")),
+                                            (7, "a2b4", P("a", "b"))])
+def test_bitwise_and_or_reductions_of_integers(dtype, rows, mesh, spec):
+  """reduce_or / reduce_and of integers combine bitwise (they were all-reduced as max / min,
+  right for booleans only: [70 87 94] for [-1 -1 -1]); uneven padding is all bits set for and."""
+  r = rng(0)
+  x = (r.integers(-100, 100, (rows, 5)) if dtype != np.bool_ else
+       r.integers(0, 2, (rows, 5))).astype(dtype)
+  fn = lambda x: (jnp.bitwise_or.reduce(x, 0), jnp.bitwise_and.reduce(x, 0),  # noqa: E731
+                  jnp.bitwise_or.reduce(x, 1), jnp.bitwise_and.reduce(x, axis=None))
+  assert_partitioned_matches(fn, (x,), (spec,), mesh)
+
+
 def test_reduce_rank3_keepdims():
   def fn(x):
     return (x.sum(axis=(0, 2), keepdims=True), x.max(axis=1), x.min(axis=(1, 2)),

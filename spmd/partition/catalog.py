@@ -210,8 +210,10 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("empty2",), PrimitiveInfo(ew)),
       # reductions and scans along an axis
       (("reduce_sum",), PrimitiveInfo(reduce.reduction("sum"), ADDITIVE_IN_FIRST)),
-      (("reduce_max", "reduce_or"), PrimitiveInfo(reduce.reduction("max"))),
-      (("reduce_min", "reduce_and"), PrimitiveInfo(reduce.reduction("min"))),
+      (("reduce_max",), PrimitiveInfo(reduce.reduction("max"))),
+      (("reduce_min",), PrimitiveInfo(reduce.reduction("min"))),
+      (("reduce_or",), PrimitiveInfo(reduce.reduction("or"), local=local.reduce_again)),
+      (("reduce_and",), PrimitiveInfo(reduce.reduction("and"), local=local.reduce_again)),
       (("reduce_prod",), PrimitiveInfo(reduce.reduction("prod"), local=local.reduce_again)),
       (("reduce_xor",), PrimitiveInfo(reduce.reduction("xor"), local=local.reduce_again)),
       (("argmax",), PrimitiveInfo(reduce.arg_reduction("max"), local=local.arg_reduce)),

@@ -236,8 +236,8 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
 
 def reduce_again(local: Local, args: list) -> list:
   """A reduction that combines its own partial results (the variadic ``reduce``, reduce_prod,
-  reduce_xor) along sharded reduced dims (padding masked with the init values, 1 or 0,
-  uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again (a
+  reduce_xor, reduce_and / reduce_or of integers) along sharded reduced dims (padding masked
+  with the init values, uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again (a
   generic reduce whose results are written partial, all-reduced later by
   ``all_reduce_combiner``'s collective, only reduces its shard)."""
   if not local.partial_axes or local.writes[0].partial:

@@ -1,34 +1,38 @@
 """Reductions and scans along an axis.
 
-Sums, max, min, and, or combine partial results across devices (an all-reduce); argmax/argmin
-and the variadic reduce reduce each shard, all-gather the per-shard results and reduce them again
-(XLA's tuple reduce), and so do prod and xor; cumulative ops combine each shard's scan with the
-totals of the shards before it.
+Sums, max, min, and the and / or of booleans combine partial results across devices (an
+all-reduce); argmax/argmin and the variadic reduce reduce each shard, all-gather the per-shard
+results and reduce them again (XLA's tuple reduce), and so do prod, xor and the and / or of
+integers; cumulative ops combine each shard's scan with the totals of the shards before it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from spmd.partition.ir import Op
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 def reduction(combiner: str) -> Callable[[Op], OpShardingRule]:
   """Reduces ``params["axes"]``; partial results of a sharded axis combine with ``combiner``:
-  "sum", "max" or "min" by an all-reduce later, "prod" or "xor" (which no JAX collective
-  combines) by the op itself, all-gathering them and reducing again (or its axes moved to
-  another dim first: relocatable)."""
-  itself = combiner in ("prod", "xor")
+  "sum", "max" or "min" by an all-reduce later (and "or" and "and" of booleans, as "max" and
+  "min"), "prod", "xor", and "or" and "and" of integers (which no JAX collective combines) by
+  the op itself, all-gathering them and reducing again (or its axes moved to another dim first:
+  relocatable)."""
 
   def rule(op: Op) -> OpShardingRule:
+    boolean = op.outputs[0].aval.dtype == jnp.bool_
+    combined = {"or": "max", "and": "min"}.get(combiner, combiner) if boolean else combiner
+    itself = combined in ("prod", "xor", "or", "and")
     shape = op.inputs[0].aval.shape
     axes = {a % len(shape) for a in op.params["axes"]}
     b = RuleBuilder()
     operand = [b.factor(n, FactorKind.REDUCTION if d in axes else FactorKind.PASS)
                for d, n in enumerate(shape)]
     result = [f for d, f in enumerate(operand) if d not in axes]
-    return b.build([operand] * len(op.inputs), [result] * len(op.outputs), combiner=combiner,
+    return b.build([operand] * len(op.inputs), [result] * len(op.outputs), combiner=combined,
                    gathers=(op.outputs[0].aval.dtype,) if itself else (), relocatable=itself)
 
   return rule
@@ -113,8 +117,10 @@ def cumulative(combiner: str) -> Callable[[Op], OpShardingRule]:
 def identity(combiner: str, dtype: Any) -> Any:
   """The value that leaves a ``combiner`` reduction unchanged."""
   dtype = jnp.dtype(dtype)
-  if combiner in ("sum", "xor"):
+  if combiner in ("sum", "xor", "or"):
     return jnp.zeros((), dtype)
+  if combiner == "and":  # every bit set
+    return jnp.asarray(np.invert(np.zeros((), dtype)))
   if combiner == "prod":
     return jnp.ones((), dtype)
   if combiner == "logaddexp":
