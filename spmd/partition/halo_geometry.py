@@ -328,21 +328,39 @@ class _Run:
   at: int
 
 
-def _runs(sources: list[list[int | None]], block: int) -> list[_Run]:
-  """The runs of consecutive rows of one block that each shard's ``sources`` are."""
-  runs: list[_Run] = []
-  for i, rows_of_i in enumerate(sources):
-    for at, source in enumerate(rows_of_i):
-      if source is None:
-        continue
-      j, row = divmod(source, block)
-      last = runs[-1] if runs else None
-      if (last is not None and (last.receiver, last.sender) == (i, j)
-          and (last.row + last.rows, last.at + last.rows) == (row, at)):
-        runs[-1] = dataclasses.replace(last, rows=last.rows + 1)
-      else:
-        runs.append(_Run(i, j, row, 1, at))
+@dataclass(frozen=True)
+class _Segment:
+  """Rows [first, first + rows) of the dim, which are rows [at, at + rows) of a shard's span."""
+
+  at: int
+  first: int
+  rows: int
+
+
+def _runs(segments: list[list[_Segment]], block: int) -> list[_Run]:
+  """The runs of rows of one block each shard's ``segments`` are."""
+  runs = []
+  for i, mine in enumerate(segments):
+    for seg in mine:
+      at, first, left = seg.at, seg.first, seg.rows
+      while left > 0:
+        j, row = divmod(first, block)
+        n = min(left, block - row)
+        runs.append(_Run(i, j, row, n, at))
+        at, first, left = at + n, first + n, left - n
   return runs
+
+
+def _own_and_sent(runs: list[_Run]) -> tuple[list[_Run], list[_Run]]:
+  """Each block's first run of its own rows (not sent), and the other runs."""
+  own: dict[int, _Run] = {}
+  sent = []
+  for r in runs:
+    if r.sender == r.receiver and r.receiver not in own:
+      own[r.receiver] = r
+    else:
+      sent.append(r)
+  return list(own.values()), sent
 
 
 def _rounds(runs: list[_Run], shards: int) -> list[list[_Run]]:
@@ -352,13 +370,16 @@ def _rounds(runs: list[_Run], shards: int) -> list[list[_Run]]:
   ppermutes longer ones pay for)."""
   def first_fit(ordered: list[_Run]) -> list[list[_Run]]:
     rounds: list[list[_Run]] = []
+    busy: list[tuple[set[int], set[int]]] = []  # per round: its senders, its receivers
     for run in ordered:
-      free = next((r for r in rounds if all(run.sender != o.sender and run.receiver != o.receiver
-                                             for o in r)), None)
-      if free is None:
-        rounds.append([run])
-      else:
-        free.append(run)
+      k = next((k for k, (senders, receivers) in enumerate(busy)
+                if run.sender not in senders and run.receiver not in receivers), len(rounds))
+      if k == len(rounds):
+        rounds.append([])
+        busy.append((set(), set()))
+      rounds[k].append(run)
+      busy[k][0].add(run.sender)
+      busy[k][1].add(run.receiver)
     return rounds
 
   by_distance: dict[int, list[_Run]] = {}
@@ -366,8 +387,12 @@ def _rounds(runs: list[_Run], shards: int) -> list[list[_Run]]:
     by_distance.setdefault((r.sender - r.receiver) % shards, []).append(r)
   rotations = [g for group in by_distance.values() for g in first_fit(group)]
   merged = first_fit(sorted(runs, key=lambda r: -r.rows))
-  rows = lambda rounds: sum(max(r.rows for r in each) for each in rounds)
-  return merged if rows(merged) < rows(rotations) else rotations
+  return merged if _rows(merged) < _rows(rotations) else rotations
+
+
+def _rows(rounds: list[list[_Run]]) -> int:
+  """The rows the ppermutes of ``rounds`` send: each as many as its longest run."""
+  return sum(max(r.rows for r in each) for each in rounds)
 
 
 def _hop(runs: list[_Run], dim: int, shards: int, axes: Axes, block: int, sent: bool) -> Hop:
@@ -385,35 +410,24 @@ def _hop(runs: list[_Run], dim: int, shards: int, axes: Axes, block: int, sent: 
 
 
 def _plan_pieces(operand: int, dim: int, axes: Axes, size: int, shards: int,
-                 sources: list[list[int | None]], length: int) -> Rotation:
-  """Shard i's rows are the rows ``sources[i]`` of the dim (None: a row outside the array; its
-  first ``length`` rows, the rest are left unread): its own rows one piece, the runs of other
-  shards' rows sent in ppermutes (``_rounds``)."""
+                 segments: list[list[_Segment]], length: int) -> Rotation:
+  """Shard i's span of ``length`` rows holds the rows ``segments[i]`` of the dim (the others are
+  outside the array, or past its block's end, left unread): its own rows are one piece, the
+  runs of other shards' rows are sent in ppermutes (``_rounds``)."""
   block = -(-size // shards)
-  runs = _runs(sources, block)
-  own: dict[int, _Run] = {}
-  sent = []
-  for r in runs:
-    if r.sender == r.receiver and r.receiver not in own:
-      own[r.receiver] = r
-    else:
-      sent.append(r)
+  runs = _runs(segments, block)
+  own, sent = _own_and_sent(runs)
   order = {id(r): k for k, r in enumerate(runs)}
-  groups = sorted(([(list(own.values()), False)] if own else [])
-                  + [(g, True) for g in _rounds(sent, shards)],
+  groups = sorted(([(own, False)] if own else []) + [(g, True) for g in _rounds(sent, shards)],
                   key=lambda group: min(order[id(r)] for r in group[0]))  # as the rows read them
-  pieces, positions, base = [], [[0] * length for _ in sources], 0
+  pieces, positions, base = [], [[-1] * length for _ in segments], 0
   for group, is_sent in groups:
     hop = _hop(group, dim, shards, axes, block, is_sent)
     for r in group:
-      for t in range(r.rows):
-        positions[r.receiver][r.at + t] = base + r.row - hop.starts[r.sender] + t
+      start = base + r.row - hop.starts[r.sender]
+      positions[r.receiver][r.at:r.at + r.rows] = range(start, start + r.rows)
     pieces.append(hop)
     base += hop.rows
-  for i, rows_of_i in enumerate(sources):
-    for at, source in enumerate(rows_of_i):
-      if source is None:
-        positions[i][at] = -1
   identity = all(p == list(range(length)) for p in positions)
   return Rotation(operand, dim, axes, size, shards, tuple(pieces),
                   None if identity else tuple(map(tuple, positions)), length)
@@ -423,9 +437,14 @@ def plan_rotation(operand: int, dim: int, axes: Axes, size: int, shards: int,
                   shift: int) -> Rotation:
   """Each shard's result rows rotate from runs of rows of one or two (uneven: a few) shards."""
   block = -(-size // shards)
-  return _plan_pieces(operand, dim, axes, size, shards,
-                      [[(o - shift) % size for o in range(block * i, min(block * (i + 1), size))]
-                       for i in range(shards)], block)
+  segments = []
+  for i in range(shards):
+    lo, hi = block * i, min(block * (i + 1), size)  # result rows lo..hi-1: rows o - shift
+    first = (lo - shift) % size
+    head = min(hi - lo, size - first)  # up to the dim's end, then from its start
+    segments.append([_Segment(0, first, head)] + ([_Segment(head, 0, hi - lo - head)]
+                                                  if hi - lo > head else []))
+  return _plan_pieces(operand, dim, axes, size, shards, segments, block)
 
 
 def plan_concatenation(dim: int, axes: Axes, sizes: tuple[int, ...], shards: int) -> Rotation:
@@ -433,13 +452,22 @@ def plan_concatenation(dim: int, axes: Axes, sizes: tuple[int, ...], shards: int
   rows there, cut from each shard's operand blocks concatenated: one exchange for them all, in
   which a ppermute carries runs of any operand (each sender sends one)."""
   blocks = tuple(-(-n // shards) for n in sizes)
-  width, out = sum(blocks), sum(sizes)
-  joined_rows = [q // block * width + sum(blocks[:k]) + q % block
-                 for k, (n, block) in enumerate(zip(sizes, blocks)) for q in range(n)]
-  length = -(-out // shards)
-  rotation = _plan_pieces(0, dim, axes, width * shards, shards,
-                          [joined_rows[length * i:length * (i + 1)] for i in range(shards)],
-                          length)
+  width, length = sum(blocks), -(-sum(sizes) // shards)
+  segments: list[list[_Segment]] = [[] for _ in range(shards)]
+  offset = 0  # of operand k in the result
+  for k, (n, block) in enumerate(zip(sizes, blocks)):
+    for j in range(-(-n // block)):  # operand k's block j: its rows are the result's rows
+      rows = range(offset + block * j, offset + min(block * (j + 1), n))
+      while rows:
+        i, at = divmod(rows.start, length)
+        take = min(len(rows), length - at)
+        segments[i].append(_Segment(at, j * width + sum(blocks[:k]) + rows.start - offset
+                                    - block * j, take))
+        rows = rows[take:]
+    offset += n
+  for mine in segments:
+    mine.sort(key=lambda seg: seg.at)
+  rotation = _plan_pieces(0, dim, axes, width * shards, shards, segments, length)
   return dataclasses.replace(rotation, joined=blocks)
 
 
@@ -452,13 +480,16 @@ def plan_window(operand: int, dim: int, axes: Axes, window: Window,
   halo = plan_halo(operand, dim, axes, window, shards)
   if halo is None or halo.dilation != 1:
     return halo
-  active = range(min(shards, -(-window.out // window.on(shards).block_out)))
-  spans = [[p if 0 <= p < halo.size else None
-            for p in range(halo.first(i), halo.first(i) + halo.length)] for i in active]
-  pieces = _plan_pieces(operand, dim, axes, halo.size, shards,
-                        spans + [[]] * (shards - len(spans)), halo.length)
-  moved = sum(h.rows for h in hops(pieces))
-  return pieces if pieces.pieces and moved < sum(h.rows for h in hops(halo)) else halo
+  segments = []
+  for i in range(min(shards, -(-window.out // window.on(shards).block_out))):
+    first = halo.first(i)
+    lo, hi = max(first, 0), min(first + halo.length, halo.size)
+    segments.append([_Segment(lo - first, lo, hi - lo)] if lo < hi else [])
+  segments += [[]] * (shards - len(segments))
+  _, sent = _own_and_sent(_runs(segments, halo.block))
+  if not any(segments) or _rows(_rounds(sent, shards)) >= sum(h.rows for h in hops(halo)):
+    return halo
+  return _plan_pieces(operand, dim, axes, halo.size, shards, segments, halo.length)
 
 
 Exchange = Halo | Mirror | Rotation
