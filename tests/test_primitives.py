@@ -391,6 +391,19 @@ def test_bitwise_and_or_reductions_of_integers(dtype, rows, mesh, spec):
   assert_partitioned_matches(fn, (x,), (spec,), mesh)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("rows,mesh,spec", [(8, "x8", P("x")), (13, "x8", P("x")),
+                                            (7, "a2b4", P("a", "b"))])
+def test_max_and_min_over_a_split_dim_keep_a_nan(dtype, rows, mesh, spec):
+  """A NaN on one device wins the max and min as in the unpartitioned reduce_max (XLA's CPU and
+  GPU all-reduces drop it, and so does jax.jit's result); -inf, -0.0 and negated NaNs too."""
+  x = randn(rows, 5)
+  x[rows - 1, 0] = x[0, 1] = np.nan
+  x[1, 4], x[2, 2], x[3, 3] = -np.nan, -np.inf, -0.0
+  fn = lambda x: (x.max(0), x.min(0), x.max(1), x.min(axis=None), jnp.max(-x, 0))  # noqa: E731
+  assert_partitioned_matches(fn, (x.astype(dtype),), (spec,), mesh)
+
+
 def test_reduce_rank3_keepdims():
   def fn(x):
     return (x.sum(axis=(0, 2), keepdims=True), x.max(axis=1), x.min(axis=(1, 2)),

@@ -122,12 +122,18 @@ class ReshardStep(abc.ABC):
 
 @dataclass(frozen=True, kw_only=True)
 class AllReduce(ReshardStep):
-  """Reduces the pending partial sums over ``axes`` (with ``before.partial_op``)."""
+  """Reduces the pending partial sums over ``axes`` (with ``before.partial_op``); ``width``:
+  bytes per element on the wire (a float extremum's ordered integers take as many)."""
 
   kind: ClassVar[str] = "all-reduce"
+  width: int = field(init=False)
+
+  def __post_init__(self, shape: Shape, itemsize: int, mesh: MeshShape) -> None:
+    super().__post_init__(shape, itemsize, mesh)
+    object.__setattr__(self, "width", itemsize)
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    return _all_reduce(x, self.axis_name, self.before.partial_op)
+    return _all_reduce(x, self.axis_name, self.before.partial_op, self.width)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -797,31 +803,47 @@ def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
 _ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 
-def _all_reduce(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
+def _all_reduce(x: jax.Array, axes: str | Axes, op: str, width: int) -> jax.Array:
+  """``x`` combined by ``op`` over ``axes``, ``width`` bytes per element on the wire."""
   if x.dtype == jnp.bool_:
-    return _all_reduce(x.astype(jnp.uint8), axes, op).astype(jnp.bool_)
+    return _all_reduce(x.astype(jnp.uint8), axes, op, 1).astype(jnp.bool_)
   if op != "sum" and jnp.iscomplexobj(x):
     return _complex_extremum(x, axes, op)
   if op != "sum" and jnp.issubdtype(x.dtype, jnp.floating):
-    return _differentiable_extremum(x, axes, op)
+    return _differentiable_extremum(x, axes, op, width)
   return _ALL_REDUCE[op](x, axes)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _differentiable_extremum(x: jax.Array, axes: str | Axes, op: str) -> jax.Array:
-  """``lax.pmax`` / ``lax.pmin``, which JAX gives no derivative, with one: so ``jax.jvp``,
-  ``jax.jacfwd`` and ``jax.hessian`` run through a partitioned max (a logsumexp's, a
-  softmax's) over a split dim. As ``reduce_max``'s: the tangents of the devices whose value is
-  the result, averaged (each device's its own block's average over ties: where the extremum is
-  tied across devices holding it a different number of times, the weights differ from JAX's
-  per element)."""
-  return _ALL_REDUCE[op](x, axes)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _differentiable_extremum(x: jax.Array, axes: str | Axes, op: str, width: int) -> jax.Array:
+  """The max / min of floating ``x`` over ``axes`` with a derivative (JAX gives ``lax.pmax``
+  none): so ``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` run through a partitioned max (a
+  logsumexp's, a softmax's) over a split dim. As ``reduce_max``'s: the tangents of the devices
+  whose value is the result, averaged (each device's its own block's average over ties: where
+  the extremum is tied across devices holding it a different number of times, the weights
+  differ from JAX's per element)."""
+  return _ordered_extremum(x, axes, op, width)
+
+
+def _ordered_extremum(x: jax.Array, axes: str | Axes, op: str, width: int) -> jax.Array:
+  """The max / min of floating ``x`` over ``axes``, a NaN winning as in ``reduce_max`` (XLA's
+  CPU and GPU all-reduces drop it): all-reduced as ordered integers of ``width`` bytes (the
+  float's bits, negative ones reversed; a NaN the largest, or smallest), as many bytes as the
+  float takes on the wire."""
+  bits = jnp.dtype(f"int{8 * x.dtype.itemsize}")
+  top = jnp.iinfo(bits).max
+  k = lax.bitcast_convert_type(x, bits)
+  key = jnp.where(jnp.isnan(x), top if op == "max" else jnp.iinfo(bits).min,
+                  jnp.where(k < 0, k ^ top, k))
+  m = _ALL_REDUCE[op](key.astype(f"int{8 * width}"), axes).astype(bits)
+  return lax.bitcast_convert_type(jnp.where(m < 0, m ^ top, m), x.dtype)
 
 
 @_differentiable_extremum.defjvp
-def _extremum_jvp(axes: str | Axes, op: str, primals: tuple, tangents: tuple) -> tuple:
+def _extremum_jvp(axes: str | Axes, op: str, width: int, primals: tuple, tangents: tuple
+                  ) -> tuple:
   (x,), (t,) = primals, tangents
-  out = _differentiable_extremum(x, axes, op)
+  out = _differentiable_extremum(x, axes, op, width)
   held = x == out
   count = lax.psum(held.astype(t.dtype), axes)
   return out, lax.psum(jnp.where(held, t, jnp.zeros_like(t)), axes) / count
