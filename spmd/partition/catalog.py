@@ -162,6 +162,24 @@ def transposing_reshape(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, 
   return _traced_over(transposed, inputs)
 
 
+def select_tree(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+  """A ``select_n`` of more than two cases is the tree of two-case selects XLA runs, as JAX
+  lowers it: ``which < k`` splitting the cases in halves (each select then takes its own
+  operands' shardings, as Shardy sees them); two cases are the op itself (None)."""
+  if len(inputs) <= 3:
+    return None
+
+  def tree(which: jax.Array, *cases: jax.Array) -> jax.Array:
+    def pick(offset: int, cases: tuple) -> jax.Array:
+      if len(cases) == 1:
+        return cases[0]
+      mid = len(cases) // 2
+      low = jax.lax.lt(which, jax.lax.full_like(which, offset + mid))
+      return jax.lax.select_n(low, pick(offset + mid, cases[mid:]), pick(offset, cases[:mid]))
+    return pick(0, cases)
+  return _traced_over(tree, inputs)
+
+
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
 
@@ -185,7 +203,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("add", "sub", "add_any"), PrimitiveInfo(ew, Linearity((0, 1), additive=True))),
       (("mul",), PrimitiveInfo(ew, Linearity((0, 1)))),
       (("div",), PrimitiveInfo(ew, Linearity((0,)))),
-      (("select_n",), PrimitiveInfo(ew, Linearity((1, 2), additive=True))),
+      (("select_n",), PrimitiveInfo(ew, Linearity((1, 2), additive=True),
+                                    inline=select_tree)),
       (("convert_element_type",),
        PrimitiveInfo(ew, Linearity((0,), additive=True, widening_float_only=True))),
       (("sharding_constraint",),
