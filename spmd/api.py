@@ -7,6 +7,7 @@ import functools
 import gc
 import inspect
 import itertools
+import math
 import numbers
 import sys
 import traceback
@@ -372,7 +373,7 @@ class Partitioned:
     modules)."""
     nnx = sys.modules["flax.nnx"]
     positions = _graph_node_positions(args)
-    if set(positions) & {i % len(args) for i in self.static_argnums}:
+    if set(positions) & _positions(self.static_argnums, len(args)):
       raise TypeError("spmd.partition: an NNX module cannot be a static argument")
     nodes = tuple(args[i] for i in positions)
     graphdef, state = nnx.split(nodes)
@@ -392,7 +393,7 @@ class Partitioned:
                   for i in range(count)])
       return out, nnx.state(nodes)
 
-    kept = {i % count for i in self.static_argnums}
+    kept = _positions(self.static_argnums, count)
     dynamic = [i for i in range(count) if i not in kept]  # in_specs name these, as without NNX
     spec_of = dict(zip(dynamic, self._specs_per_argument(len(dynamic))))
     # a module's spec given as an nnx.State (nnx.get_partition_spec / get_named_sharding of
@@ -404,7 +405,7 @@ class Partitioned:
       return 1 + sum(1 for j in range(i) if j not in positions)
 
     static = tuple(position(i) for i in sorted(kept))
-    donated = {i % count for i in self.donate_argnums}
+    donated = _positions(self.donate_argnums, count)
     # the modules' joint state is donated where every module is, as nnx.jit donates a module's
     donate = ((0,) if set(positions) <= donated else ()) + tuple(
         position(i) for i in sorted(donated) if i not in positions)
@@ -415,10 +416,11 @@ class Partitioned:
 
   def _compile(self, args: tuple) -> tuple[_Compiled, list]:
     names = self._arg_names(len(args))
+    limit = max(len(args), self._positional_parameters())
     for i in self.static_argnums + self.donate_argnums:
-      if not -len(args) <= i < len(args):
+      if not -limit <= i < limit:
         raise ValueError(f"spmd.partition: argnum {i} is out of range for {len(args)} arguments")
-    static = {i % len(args) for i in self.static_argnums}
+    static = _positions(self.static_argnums, len(args))
     statics = tuple((i, args[i]) for i in sorted(static))
     for i, value in statics:
       try:
@@ -509,7 +511,7 @@ class Partitioned:
     # its spec is resharded on entry. Either way the plan depends on whether it is committed.
     watched = tuple(i for i, (spec, arrival) in enumerate(zip(given, arrivals))
                     if spec is None or arrival not in (None, spec))
-    donated_args = {i % len(args) for i in self.donate_argnums}
+    donated_args = _positions(self.donate_argnums, len(args))
     # Traced leaves (under jax.vmap, say) hide their committed shardings, which jax.jit's
     # in_shardings would refuse where they differ: inside a jit without in_shardings, the
     # program's in_shardings constrain its operands instead (XLA reshards them on entry).
@@ -785,9 +787,9 @@ class Partitioned:
       return fun(*args[:count], **static, **dict(zip(traced, args[count:])))
 
     by_keyword.__name__ = by_keyword.__qualname__ = getattr(fun, "__name__", "fun")
-    kept = {i % count for i in self.static_argnums}
+    kept = _positions(self.static_argnums, count)
     in_specs = self._specs_per_argument(count - len(kept)) + (None,) * len(traced)
-    donated = tuple(i % count for i in self.donate_argnums) + tuple(
+    donated = tuple(sorted(_positions(self.donate_argnums, count))) + tuple(
         count + traced.index(k) for k in self.donate_kwnames if k in traced)
     return Partitioned(by_keyword, self.mesh, in_specs, self.out_specs, tuple(sorted(kept)),
                        donated, self.backend, self._rules_as_given, self.auto, self.memory_limit)
@@ -807,6 +809,18 @@ class Partitioned:
     """``rules=`` as given to this function, for the partitioned functions derived from it."""
     return None if self._given_rules is None else self._given_rules.rules
 
+  def _positional_parameters(self) -> int | float:
+    """How many positional parameters the function declares (infinitely many with ``*args``,
+    or where its signature is unknown): an argnum past the arguments of a call but not past
+    these names a parameter left to its default, which ``jax.jit`` ignores."""
+    try:
+      params = inspect.signature(self.fun).parameters.values()
+    except (TypeError, ValueError):
+      return math.inf
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+      return math.inf
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
   def _arg_names(self, n: int) -> list[str]:
     try:
       params = [p.name for p in inspect.signature(self.fun).parameters.values()
@@ -816,7 +830,7 @@ class Partitioned:
     return [repr(params[i]) if i < len(params) else f"#{i}" for i in range(n)]
 
   def _donated_leaves(self, args: tuple, dyn_idx: list[int], in_tree: Any) -> tuple[int, ...]:
-    donate = {i % len(args) for i in self.donate_argnums}
+    donate = _positions(self.donate_argnums, len(args))
     out, start = [], 0
     for i in dyn_idx:
       count = len(jax.tree_util.tree_leaves(args[i]))
@@ -824,6 +838,12 @@ class Partitioned:
         out.extend(range(start, start + count))
       start += count
     return tuple(out)
+
+
+def _positions(argnums: Sequence[int], count: int) -> set[int]:
+  """The positions among ``count`` arguments that ``argnums`` name (negative ones from the end);
+  one out of range names a parameter the call leaves to its default (``jax.jit`` ignores it)."""
+  return {i % count for i in argnums if -count <= i < count}
 
 
 def _specs_mesh(in_specs: Any, out_specs: Any) -> Mesh | None:
@@ -972,14 +992,12 @@ def _global_array(x: np.ndarray, s: TensorSharding, dtype: Any, mesh: Mesh) -> j
 
 def _structure(args: tuple, static_argnums: tuple[int, ...]) -> tuple[Any, list | None]:
   """(the non-static arguments' tree structure and the static values, their leaves); the key is
-  None where a call must take the full path (argnums out of range, unhashable static values)."""
+  None where a call must take the full path (unhashable static values)."""
   if not static_argnums:
     leaves, tree = tree_flatten(args)
     key = (tree, ())
-  elif any(not -len(args) <= i < len(args) for i in static_argnums):
-    return None, None
   else:
-    static = {i % len(args) for i in static_argnums}
+    static = _positions(static_argnums, len(args))
     leaves, tree = tree_flatten(tuple(a for i, a in enumerate(args) if i not in static))
     key = (tree, tuple(args[i] for i in sorted(static)))
   try:

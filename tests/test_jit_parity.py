@@ -307,6 +307,28 @@ def test_static_hashable_objects_recompile_only_when_they_differ(mesh):
       "one trace each by spmd and by jax.jit"
 
 
+def test_argnums_of_parameters_left_to_their_defaults_are_ignored(mesh):
+  """An argnum past a call's arguments names a parameter left to its default: jax.jit ignores
+  it. spmd refused it, or, beside a keyword-only argument, took it modulo the arguments passed:
+  it donated x (2 % 2 == 0) and made x static."""
+  def h(x, s, t=1.0, *, k):
+    return x * s * t + k
+
+  def g(x, w, scale=2.0, *, bias=None):
+    return x @ w * scale + (0.0 if bias is None else bias)
+
+  x = jax.device_put(X, NamedSharding(mesh, P("data")))
+  out = spmd.partition(h, mesh=mesh, donate_argnums=2)(x, 2.0, k=1.0)
+  np.testing.assert_allclose(out, X * 2 + 1, rtol=1e-6)
+  assert not x.is_deleted()
+  for kwargs in ({}, {"bias": jnp.ones(W.shape[1])}):
+    want = jax.jit(g, static_argnums=2)(X, W, **kwargs)
+    assert_trees_match(spmd.partition(g, mesh=mesh, static_argnums=2)(X, W, **kwargs), want,
+                       rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="argnum 5 is out of range"):
+    spmd.partition(g, mesh=mesh, static_argnums=5)(X, W)
+
+
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize("kind", ["committed", "uncommitted", "numpy"])
 def test_donated_buffers_are_deleted_as_by_jit(mesh, kind):
