@@ -289,8 +289,11 @@ class _Builder:
 
 # Each op takes the builder and appends one line, or returns None when it does not apply.
 
-FLOAT_UNARY = ("jnp.tanh({})", "jnp.sin({})", "jnp.cos({})", "-{}", "jnp.abs({})", "{} * 2",
-               "jnp.square({})", "jax.nn.relu({})")
+# sin and cos read their argument through tanh: of a cumulative sum along 4,096 elements (values
+# near 2,000) float32 rounding alone, in another summation order, moves them by more than the
+# tolerance (seed 40 drew sin(cumsum(cummax(x)))): an outcome that hangs on rounding
+FLOAT_UNARY = ("jnp.tanh({})", "jnp.sin(jnp.tanh({}))", "jnp.cos(jnp.tanh({}))", "-{}",
+               "jnp.abs({})", "{} * 2", "jnp.square({})", "jax.nn.relu({})")
 FOLDED_UNARY = ("jnp.abs({})", "jax.nn.relu({})", "-{}")  # f(f(y)) is f(y) or y
 INT_UNARY = ("-{}", "jnp.abs({})", "{} * 3", "{} + 1", "jnp.square({})")
 BINARY = ("{} + {}", "{} - {}", "{} * {}", "jnp.maximum({}, {})", "jnp.minimum({}, {})")
