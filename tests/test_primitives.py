@@ -413,6 +413,26 @@ def test_max_and_min_over_a_split_dim_keep_a_nan(dtype, rows, mesh, spec):
   assert_partitioned_matches(fn, (x.astype(dtype),), (spec,), mesh)
 
 
+@pytest.mark.parametrize("platform,dtype,width", [
+    ("cpu", jnp.bfloat16, 4), ("cpu", jnp.float16, 2), ("cpu", jnp.float32, 4),
+    ("gpu", jnp.bfloat16, 4), ("gpu", jnp.float16, 4), ("gpu", jnp.float32, 4)])
+def test_a_float_extremum_all_reduce_is_priced_as_the_backend_runs_its_integers(
+    platform, dtype, width):
+  """The ordered integers a max over a split dim all-reduces are as wide as the float on the
+  wire (XLA:CPU widens bfloat16 to 32 bits), except that XLA:GPU promotes 16-bit integer
+  all-reduces to 32 bits: the plan prices each backend's width."""
+  from spmd.partition.execution import ExecutionPlanner
+  from spmd.partition.ir import Value
+  from spmd.partition.sharding import TensorSharding
+  from spmd.partition.wire import wire_for
+
+  value = Value(jax.ShapeDtypeStruct((8, 16), jnp.dtype(dtype)))
+  partial = TensorSharding(((), ()), ("x",), "max")
+  steps = ExecutionPlanner({"x": 8}, wire_for(platform), {}).reshard(
+      value, partial, TensorSharding.replicated(2))
+  assert [(s.kind, s.bytes) for s in steps] == [("all-reduce", 8 * 16 * width)]
+
+
 def test_reduce_rank3_keepdims():
   def fn(x):
     return (x.sum(axis=(0, 2), keepdims=True), x.max(axis=1), x.min(axis=(1, 2)),

@@ -16,12 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
+
 from spmd.partition.halo_geometry import (Exchange, Halo, Hop, geometry, hops, joint_mirrors,
                                           plan_concatenation, plan_reversal, plan_rotation,
                                           plan_scatter_halos, plan_window)
 from spmd.partition.ir import Value
 from spmd.partition.propagate import Constraint, prefix_without, project
-from spmd.partition.reshard import ReshardStep, Splat, plan_reshard, sub_blocks
+from spmd.partition.reshard import ReshardStep, Splat, ordered_extrema, plan_reshard, sub_blocks
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, TensorFactors, WindowedDim
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 from spmd.partition.wire import Wire
@@ -101,7 +103,10 @@ class ExecutionPlanner:
     key = (src, dst, v.shape, self.wire(v.dtype))
     steps = self._reshards.get(key)
     if steps is None:
-      steps = self._reshards[key] = plan_reshard(src, dst, v.shape, key[3], self.mesh)
+      steps = plan_reshard(src, dst, v.shape, key[3], self.mesh)
+      if src.partial_op != "sum" and jnp.issubdtype(v.dtype, jnp.floating):
+        steps = ordered_extrema(steps, v.shape, self.wire.ordered(v.dtype), self.mesh)
+      self._reshards[key] = steps
     return steps
 
   def sub_blocks(self, v: Value, src: TensorSharding, dst: TensorSharding

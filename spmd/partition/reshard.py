@@ -841,6 +841,16 @@ def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
 _ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 
+def ordered_extrema(steps: tuple[ReshardStep, ...], shape: Sequence[int], width: int,
+                    mesh: MeshShape) -> tuple[ReshardStep, ...]:
+  """``steps`` with their all-reduces of a float max or min ``width`` bytes per element: the
+  ordered integers they reduce (``_ordered_extremum``), as wide as the backend runs them."""
+  return tuple(AllReduce(axes=s.axes, before=s.before, after=s.after, dim=s.dim, shape=shape,
+                         itemsize=width, mesh=mesh)
+               if isinstance(s, AllReduce) and s.before.partial_op != "sum" else s
+               for s in steps)
+
+
 def _all_reduce(x: jax.Array, axes: str | Axes, op: str, width: int | None = None) -> jax.Array:
   """``x`` combined by ``op`` over ``axes`` (a float extremum's ordered integers ``width``
   bytes per element on the wire, its own size by default)."""
