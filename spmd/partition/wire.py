@@ -23,7 +23,7 @@ class Wire:
   def __call__(self, dtype: Any) -> int:
     if self.platform == "cpu" and dtype == jnp.bfloat16:
       return 4
-    return jnp.dtype(dtype).itemsize
+    return dtype.itemsize
 
   def ordered(self, dtype: Any) -> int:
     """Bytes per element of an all-reduce of a float's ordered integers."""
