@@ -121,6 +121,15 @@ class _Marker:
     return self.buffers.setdefault((self.aliases.get(v, v), form),
                                    _Buffer() if made is None else made)
 
+  def _relaid_locally(self, s: ScheduledOp) -> bool:
+    """A transpose whose local block moves only dims of one element: on each device a reshape
+    in effect, whatever it does to the array (a [2,2] of 1x1 blocks transposed)."""
+    if s.op.primitive != "transpose":
+      return False
+    block = s.reads[0].local_shape(s.op.inputs[0].shape, self.mesh)
+    moved = [d for d in s.op.params["permutation"] if block[d] != 1]
+    return moved == sorted(moved)
+
   def _written(self, s: ScheduledOp, scope: int) -> None:
     """The buffers an op run on local blocks alone writes. A reshape in effect or a
     ``stop_gradient`` (lowered to nothing) writes the buffer it reads, re-laid (its padding too,
@@ -131,7 +140,7 @@ class _Marker:
     op, ex = s.op, s.execution
     if ex is None or ex.halos or s.gathered:
       return
-    if reshapes_in_effect(op) or op.primitive == "stop_gradient":
+    if reshapes_in_effect(op) or op.primitive == "stop_gradient" or self._relaid_locally(s):
       read, written = (math.prod(f.local_shape(v.shape, self.mesh)) for v, f in
                        [(op.inputs[0], s.reads[0]), (op.outputs[0], s.writes[0])])
       if read == written:
