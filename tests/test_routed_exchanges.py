@@ -171,3 +171,14 @@ ONE_ROW_SHARDS = {  # (function, rows): shards of 1-3 rows whose spans reach sev
 def test_windows_over_one_row_shards(name, mesh, spec):
   fn, rows = ONE_ROW_SHARDS[name]
   no_more_than_xla(fn, (randn(rows, 8),), (spec,), mesh)
+
+
+def test_two_concatenates_sharing_one_operand_exchange_each_their_own_blocks():
+  """[x, h] and [x, 2h] (a GRU cell's two concatenates) each exchange their joined blocks: the
+  plan took the second's pieces for the first's, keyed by operand 0 alone (x), where the
+  program cuts them from both operands' blocks, and XLA runs both (plan 368 B, HLO 416 B in
+  tests/test_flax_zoo5.py)."""
+  def f(x, h):
+    return jnp.concatenate([x, h], 1), jnp.concatenate([x, 2 * h], 1)
+
+  no_more_than_xla(f, (randn(4, 8), randn(4, 16, seed=1)), (P(None, "x"), P(None, "x")), "x4")
