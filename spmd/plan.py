@@ -146,9 +146,10 @@ class Search:
   ``step_bytes`` of the chosen one, ``propagation_bytes`` with the open inputs left to
   propagation, ``ilp_bytes`` of the solver's answer (the integer program's, or the greedy
   fallback's; ``predicted_bytes`` is its own linearised estimate); ``from_ilp`` says the chosen
-  plan is that answer (else it is one of the single-variable plans priced for its costs). ``memory_bytes``: per device,
-  of the chosen plan's inputs; ``memory_limit``: the bound it kept, ``limit_source`` where that
-  came from ("memory_limit", "device memory" or "none": the devices report no memory).
+  plan is that answer (else it is one of the single-variable plans priced for its costs).
+  ``memory_bytes``: per device, of the chosen plan's inputs; ``memory_limit``: the bound it
+  kept, ``limit_source`` where that came from ("memory_limit", "device memory" or "none": the
+  devices report no memory).
   ``method``: how one candidate per variable was chosen ("milp", or "greedy (<why>)")."""
 
   variables: tuple[SearchVariable, ...]

@@ -42,7 +42,8 @@ class Config:
 
 
 class MLP(nnx.Module):
-  """x [batch, features] -> [batch, features]: ``pairs`` residual blocks of gelu(x W1 + b1) W2 + b2."""
+  """x [batch, features] -> [batch, features]: ``pairs`` residual blocks of
+  gelu(x W1 + b1) W2 + b2."""
 
   def __init__(self, config: Config, rngs: nnx.Rngs):
     def linear(n_in: int, n_out: int, names: tuple[str, str]) -> nnx.Linear:

@@ -20,7 +20,7 @@ from spmd.partition.annotation import (annotate_p, annotate_request, constraint_
                                        reshard_request)
 from spmd.partition.jax_compat import gamma_one, open_jaxpr, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
-                                      Linearity, Manual, PrimitiveInfo)
+                                      Linearity, Manual, PrimitiveInfo, operands)
 from spmd.partition.roll import roll_dynamic_p, roll_p
 from spmd.partition.rules import (control, conv, dot, elementwise, indexing, linalg, random,
                                   reduce, shape, sort, window)
@@ -197,9 +197,9 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       ((*ELEMENTWISE_UNARY, *ELEMENTWISE_NARY), PrimitiveInfo(ew)),
       (tuple(ELEMENTWISE_LINEAR), PrimitiveInfo(ew, ADDITIVE_IN_FIRST)),
       # identities: checkpoint_name, relayout
-      (("name", "relayout"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands)),
+      (("name", "relayout"), PrimitiveInfo(ew, ADDITIVE_IN_FIRST, operands)),
       (("reshard",),
-       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands, annotation=reshard_request)),
+       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, operands, annotation=reshard_request)),
       (("add", "sub", "add_any"), PrimitiveInfo(ew, Linearity((0, 1), additive=True))),
       (("mul",), PrimitiveInfo(ew, Linearity((0, 1)))),
       (("div",), PrimitiveInfo(ew, Linearity((0,)))),
@@ -208,12 +208,12 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("convert_element_type",),
        PrimitiveInfo(ew, Linearity((0,), additive=True, widening_float_only=True))),
       (("sharding_constraint",),
-       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, local.operands, annotation=constraint_request)),
+       PrimitiveInfo(ew, ADDITIVE_IN_FIRST, operands, annotation=constraint_request)),
       (("bitcast_convert_type",), PrimitiveInfo(elementwise.bitcast_convert_type)),
       (("optimization_barrier",), PrimitiveInfo(elementwise.per_tensor_identity)),
       # jax.experimental.shard_alike: its operands (one shape) share one sharding
-      (("shard_alike",), PrimitiveInfo(ew, local=local.operands)),
-      (("device_put",), PrimitiveInfo(elementwise.per_tensor_identity, local=local.operands)),
+      (("shard_alike",), PrimitiveInfo(ew, local=operands)),
+      (("device_put",), PrimitiveInfo(elementwise.per_tensor_identity, local=operands)),
       # shapes
       (("broadcast_in_dim",),
        PrimitiveInfo(shape.broadcast_in_dim, ADDITIVE_IN_FIRST, local.broadcast_in_dim)),
@@ -314,7 +314,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
 
 def build_registry() -> Mapping[Primitive, PrimitiveInfo]:
   table: dict[Primitive, PrimitiveInfo] = {
-      annotate_p: PrimitiveInfo(elementwise.elementwise, ADDITIVE_IN_FIRST, local.operands,
+      annotate_p: PrimitiveInfo(elementwise.elementwise, ADDITIVE_IN_FIRST, operands,
                                 annotation=annotate_request),
       roll_p: PrimitiveInfo(indexing.roll, ADDITIVE_IN_FIRST, local.roll),
       roll_dynamic_p: PrimitiveInfo(indexing.roll_dynamic, ADDITIVE_IN_FIRST)}

@@ -495,6 +495,11 @@ def plan_window(operand: int, dim: int, axes: Axes, window: Window,
 Exchange = Halo | Mirror | Rotation
 
 
+def joint(x: Exchange) -> bool:
+  """Whether the exchange is a concatenate's, cut from all its operands' blocks concatenated."""
+  return isinstance(x, Rotation) and bool(x.joined)
+
+
 def halo_piece(value: Any, read: Any, chain: tuple, hop: Hop) -> tuple:
   """Identifies a received piece: the same piece of the same buffer (a value in one form, widened
   by the same earlier exchanges) is exchanged once."""

@@ -229,8 +229,8 @@ class _Builder:
       for var, value in zip(eqn.outvars, outputs):
         env[var] = value
 
-  def _manual(self, eqn: Any, info: PrimitiveInfo, inputs: tuple[Atom, ...], env: dict, ops: list[Op],
-              source: str, stack: Any) -> None:
+  def _manual(self, eqn: Any, info: PrimitiveInfo, inputs: tuple[Atom, ...], env: dict,
+              ops: list[Op], source: str, stack: Any) -> None:
     """A user's shard_map (manual.py): its operands pinned to its in_specs and its results to its
     out_specs by annotations around it, as JAX's lowering marks them (a sharding custom call on
     each side), so that propagation carries its shardings to its neighbours."""
@@ -911,7 +911,7 @@ def cse_key(op: Op, name: Callable[[Value], Value] = lambda v: v) -> tuple | Non
   if op.merge_params is None:
     return None
   return op.merge_params, tuple(name(a).id if isinstance(a, Value)
-                                else ("lit", literal_key(a.val), _aval_str(a.aval))
+                                else literal_identity(a.val, a.aval)
                                 for a in op.inputs)
 
 
@@ -942,7 +942,8 @@ def _canonical_slice(op: Op) -> dict[str, Any]:
   """A slice's params in the one form shared by every slice taking the same elements, as XLA's
   simplifier sees them: the limit just past the last element taken, stride 1 where one is."""
   shape, starts = op.outputs[0].shape, tuple(op.params["start_indices"])
-  strides = tuple(1 if n == 1 else s for n, s in zip(shape, op.params["strides"] or (1,) * len(shape)))
+  given = op.params["strides"] or (1,) * len(shape)
+  strides = tuple(1 if n == 1 else s for n, s in zip(shape, given))
   limits = tuple(b + (n - 1) * s + 1 for b, n, s in zip(starts, shape, strides))
   return {"start_indices": starts, "limit_indices": limits, "strides": strides}
 
@@ -951,6 +952,11 @@ def literal_key(val: Any) -> Any:
   """A hashable stand-in for a literal's value (no repr: printing numpy values is slow)."""
   array = np.asarray(val)
   return (array.dtype.str, array.item()) if array.ndim == 0 else repr(val)
+
+
+def literal_identity(val: Any, aval: Any) -> tuple:
+  """What makes two literals one operand: value, dtype and aval (as printed)."""
+  return ("literal", literal_key(val), _aval_str(aval))
 
 
 def build_program(closed: jcore.ClosedJaxpr, platform: str) -> Program:

@@ -20,10 +20,10 @@ from jax.extend.random import threefry2x32_p
 
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import cut, mirror, rotate, span
-from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geometry
+from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geometry, joint
 from spmd.partition.ir import Op, Value
 from spmd.partition.jax_compat import gamma_one
-from spmd.partition.primitives import bind, describe, operands
+from spmd.partition.primitives import bind, describe
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -135,7 +135,8 @@ def slice_(local: Local, args: list) -> list:
 
 def pad(local: Local, args: list) -> list:
   args, halo_dims = local.with_halos(args, args[1])
-  config = [(0, 0, 0) if d in halo_dims else c for d, c in enumerate(local.op.params["padding_config"])]
+  config = [(0, 0, 0) if d in halo_dims else c
+            for d, c in enumerate(local.op.params["padding_config"])]
   return bind(local.op, args, padding_config=tuple(config))
 
 
@@ -170,7 +171,7 @@ def concatenate(local: Local, args: list) -> list:
   axes = local.writes[0].dims[d]
   if not axes:
     return bind(op, args)
-  if len(local.halos) == 1 and isinstance(local.halos[0], Rotation) and local.halos[0].joined:
+  if len(local.halos) == 1 and joint(local.halos[0]):
     prefix = tuple(zip(*(local.prefix(k, ()) for k in range(len(args)))))
     return [rotate(lax.concatenate(args, d), local.halos[0], shard_index(axes), local.mesh,
                    local.received, prefix)]
@@ -237,8 +238,8 @@ def reduce_window(combiner: str | None) -> Callable[[Local, list], list]:
 def reduce_again(local: Local, args: list) -> list:
   """A reduction that combines its own partial results (the variadic ``reduce``, reduce_prod,
   reduce_xor, reduce_and / reduce_or of integers) along sharded reduced dims (padding masked
-  with the init values, uneven.py): each shard is reduced, the per-shard results all-gathered and reduced again (a
-  generic reduce whose results are written partial, all-reduced later by
+  with the init values, uneven.py): each shard is reduced, the per-shard results all-gathered
+  and reduced again (a generic reduce whose results are written partial, all-reduced later by
   ``all_reduce_combiner``'s collective, only reduces its shard)."""
   if not local.partial_axes or local.writes[0].partial:
     return bind(local.op, args)

@@ -86,7 +86,7 @@ class PrimitiveInfo:
   local: LocalFn | None = None        # None: re-bind on the local operands
   control: ControlFlow | None = None
   inline: Inline | None = None        # a call: the body inlined into the program, and its inputs
-  annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding (annotation.py)
+  annotation: Callable[["Op"], Any] | None = None  # an identity asking for a sharding
   reason: str = ""                    # why a primitive without a rule runs replicated
   manual: Manual | None = None        # a user's shard_map: pinned to its specs, its body run as is
   stateful: bool = False              # each application draws new values: never merged (cse_key)

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from spmd.partition.ir import Op, Program, Value, literal_key
+from spmd.partition.ir import Op, Program, Value, literal_identity
 from spmd.partition.primitives import describe, rule_for
 from spmd.partition.rules.factors import FactorKind, OpShardingRule
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -135,7 +135,7 @@ def _rule_key(op: Op) -> tuple | None:
   if op.params_key is None:
     return None
   return (op.params_key,
-          tuple(x.aval if isinstance(x, Value) else (literal_key(x.val), x.aval)
+          tuple(x.aval if isinstance(x, Value) else literal_identity(x.val, x.aval)
                 for x in op.inputs),
           tuple(v.aval for v in op.outputs))
 

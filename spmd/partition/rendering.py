@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from jax.tree_util import tree_unflatten
 
-from spmd.partition.halo_geometry import Exchange, Hop, Rotation
+from spmd.partition.halo_geometry import Exchange, Hop, joint
 from spmd.partition.ir import Op, Program, Value, layer
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import describe
@@ -145,7 +145,7 @@ def _halo_collective(h: Exchange, hop: Hop, nbytes: int, s: ScheduledOp) -> Coll
   x = s.op.inputs[h.operand]
   read = str(s.reads[h.operand])
   return Collective("collective-permute", h.axes, nbytes, s.op.index, s.op.primitive, s.op.source,
-                    f"operands' halo (dim {h.dim})" if isinstance(h, Rotation) and h.joined
+                    f"operands' halo (dim {h.dim})" if joint(h)
                     else f"operand {h.operand} halo (dim {h.dim})", _shape(x), read, read, 1,
                     HaloExchange(h.operand, h.dim, h.shards, hop.side, hop.distance, hop.rows,
                                  tuple(hop.pairs)))
@@ -246,7 +246,8 @@ def _uneven_output_warning(k: int, atom: Any, wanted: TensorSharding, returned: 
   (an open output that is whole already is not warned about: nothing surprising happens)."""
   shape = atom.aval.shape
   given = boundary.outputs[k] is not None
-  what = f"out_specs[{k}] {wanted}" if given else f"output {k}, sharded {wanted} inside the program,"
+  what = (f"out_specs[{k}] {wanted}" if given
+          else f"output {k}, sharded {wanted} inside the program,")
   cost = _gathered(t)
   head = (f"{what} does not split {atom.aval.str_short()} evenly: JAX arrays cannot hold "
           f"uneven shards, so it is returned as {returned}")

@@ -29,8 +29,9 @@ import jax
 from jax.extend import core as jcore
 
 from spmd.partition.devices import mesh_pairs
-from spmd.partition.halo_geometry import Exchange, Hop, Rotation
-from spmd.partition.ir import Value, hashable_or_none, literal_key, reshapes_in_effect
+from spmd.partition.halo_geometry import Exchange, Hop, joint
+from spmd.partition.ir import (Value, hashable_or_none, literal_identity, literal_key,
+                               reshapes_in_effect)
 from spmd.partition.manual import COLLECTIVES
 from spmd.partition.reshard import ReshardStep
 from spmd.partition.schedule import RegionSchedule, Schedule, ScheduledOp, Transfer
@@ -149,7 +150,7 @@ class _Marker:
     if op.merge_params is None or op.regions:  # XLA merges no loops or conditionals
       return
     operands = tuple(self._buffer(x, f) if isinstance(x, Value)
-                     else (literal_key(x.val), str(x.aval)) for x, f in zip(op.inputs, s.reads))
+                     else literal_identity(x.val, x.aval) for x, f in zip(op.inputs, s.reads))
     first = self.computed.setdefault((scope, op.merge_params, operands, s.writes), s)
     for v, w, earlier in zip(op.outputs, s.writes, first.op.outputs):
       self._buffer(v, w, self._buffer(earlier, w))
@@ -171,7 +172,7 @@ class _Marker:
     s.halo_hops = tuple(kept)
 
   def _piece(self, s: ScheduledOp, h: Exchange, hop: Hop, scope: int) -> _Piece | None:
-    if isinstance(h, Rotation) and h.joined:  # cut from several operands' blocks
+    if joint(h):  # cut from several operands' blocks
       return None
     x, read = s.op.inputs[h.operand], s.reads[h.operand]
     local = read.local_shape(x.shape, self.mesh)
@@ -258,7 +259,7 @@ def _keys(closed: jcore.ClosedJaxpr, inputs: Any, collectives: list | None = Non
 
   def read(a: Any) -> Hashable:
     if isinstance(a, jcore.Literal):
-      return ("literal", literal_key(a.val), str(a.aval))
+      return literal_identity(a.val, a.aval)
     return env[a]
 
   for eqn in jaxpr.eqns:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Hashable, Mapping
 
 from spmd.partition.execution import Execution, ExecutionPlanner, Price
-from spmd.partition.halo_geometry import Exchange, Hop, Rotation, halo_piece
+from spmd.partition.halo_geometry import Exchange, Hop, halo_piece, joint
 from spmd.partition.ir import Op, Program, Region, Value, depth_first
 from spmd.partition.manual import BodyCollective
 from spmd.partition.primitives import PrimitiveInfo, describe
@@ -315,8 +315,7 @@ class _Scheduler:
     new_hops = []
     for halo, chain, hop, nbytes in ex.halo_exchanges(self.mesh, self.wire) if ex.halos else ():
       # pieces are of the buffer, whichever name reads it (of all operands' blocks, joined)
-      read = (range(len(op.inputs)) if isinstance(halo, Rotation) and halo.joined
-              else (halo.operand,))
+      read = range(len(op.inputs)) if joint(halo) else (halo.operand,)
       key = halo_piece(tuple(self.aliases.get(op.inputs[k], op.inputs[k]) for k in read),
                        tuple(reads[k] for k in read), chain, hop)
       if key not in self.halo_pieces:

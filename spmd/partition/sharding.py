@@ -34,7 +34,8 @@ class TensorSharding:
     return cls(((),) * rank)
 
   @classmethod
-  def from_spec(cls, spec: P, rank: int, mesh_shape: MeshShape, *, what: str = "spec") -> TensorSharding:
+  def from_spec(cls, spec: P, rank: int, mesh_shape: MeshShape, *,
+                what: str = "spec") -> TensorSharding:
     """Validates ``spec`` against the mesh and the array rank; ``what`` names it in errors.
     Mesh axes of size 1 are dropped: a dim they split is whole, and nothing moves over them."""
     if not isinstance(spec, P):

@@ -54,7 +54,8 @@ class Layout(Picture):
     lines = [_title(self)]
     for b in self.blocks:
       pad = ", ".join(map(str, b.padding)) if any(b.padding) else ""
-      lines.append(f"devices {_ids(b.devices)}: {_rows(b)}" + (f" + padding ({pad})" if pad else ""))
+      padding = f" + padding ({pad})" if pad else ""
+      lines.append(f"devices {_ids(b.devices)}: {_rows(b)}{padding}")
     return "\n".join(lines)
 
   def __str__(self) -> str:

@@ -109,8 +109,8 @@ def _badge(kind: str, label: str, x: float, y: float, title: str, c: Collective 
 
 def _halo(h: HaloExchange, x: float, y: float) -> tuple[str, float]:
   """The blocks of the exchanged dim as boxes, an arrow from each sender to its receiver: above
-  for rows from the left, below for rows from the right, through the middle for a rotation, a route or a
-  mirror."""
+  for rows from the left, below for rows from the right, through the middle for a rotation, a
+  route or a mirror."""
   shards = min(h.shards, MAX_SHARDS)
   box, gap = 16, 14
   parts = [svg.rect(x + k * (box + gap), y + 6, box, LINE - 12, "#eee", stroke="#555")

@@ -54,7 +54,8 @@ def iota(op: Op) -> OpShardingRule:
 
 
 def reshape(op: Op) -> OpShardingRule:
-  """Factors refine both shapes major to minor: (4, 6) -> (8, 3) is ([a], [b, c]) -> ([a, b], [c])."""
+  """Factors refine both shapes major to minor: (4, 6) -> (8, 3) is
+  ([a], [b, c]) -> ([a, b], [c])."""
   src, dst = op.inputs[0].aval.shape, op.outputs[0].shape
   b = RuleBuilder()
   src_dims: list[list[int]] = [[] for _ in src]
