@@ -126,15 +126,20 @@ class ExecutionPlanner:
     share."""
     options = self._options_of(c, shardings)
     if len(options) == 1:
-      best = options[0].execution
-    else:  # of equally cheap options, the first whose own gather moves least (an operand's
-      # reshard makes a form later readers share; an op's own gather serves it alone)
-      best = min(options, key=lambda o: (o.cost(c.results, summed_with, read) + sum(
-          price(v, need) for v, need in zip(c.operands, o.execution.needs)
-          if need is not None), o.gathered)).execution
-    if best.constraint is c:
-      return best
-    return Execution(c, best.factor_axes, best.needs, best.produces, best.halos)
+      return _for(c, options[0].execution)
+    return self.priced(c, shardings, price, summed_with, read)[0]
+
+  def priced(self, c: Constraint, shardings: Mapping[Value, TensorSharding], price: Price,
+             summed_with: Callable[[Value], int] = lambda v: 1,
+             read: Callable[[Value], bool] = lambda v: True) -> tuple[Execution, int]:
+    """``plan``'s execution and the bytes it moves by ``plan``'s measure."""
+    def total(o: _Option) -> int:
+      return o.cost(c.results, summed_with, read) + sum(
+          price(v, need) for v, need in zip(c.operands, o.execution.needs) if need is not None)
+    # of equally cheap options, the first whose own gather moves least (an operand's reshard
+    # makes a form later readers share; an op's own gather serves it alone)
+    best = min(self._options_of(c, shardings), key=lambda o: (total(o), o.gathered))
+    return _for(c, best.execution), total(best)
 
   def in_layout(self, c: Constraint, dims: TensorSharding) -> Execution | None:
     """``c`` run with every operand and result in ``dims``' layout, where its rule maps each dim
@@ -205,6 +210,13 @@ class ExecutionPlanner:
         sum(s.bytes for s in self.reshard(v, made, shardings[v]))
         for v, made in zip(c.results, ex.produces)))
             for ex in options]
+
+
+def _for(c: Constraint, ex: Execution) -> Execution:
+  """``ex``, planned for an op with ``c``'s rule and tensors, as ``c``'s execution."""
+  if ex.constraint is c:
+    return ex
+  return Execution(c, ex.factor_axes, ex.needs, ex.produces, ex.halos)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ form share it.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import ChainMap, Counter
 from dataclasses import dataclass, replace
 from typing import Hashable, Mapping
 
@@ -271,11 +271,15 @@ class _Scheduler:
     """Whether ``reader`` (None: an output) reading ``v`` once is all that reads it by any of its
     names: annotations and repeated ops, which name it, aside. A reshard passing through no
     other form (``reshard.sub_blocks``) then leaves no other read the worse for it."""
+    return self._readers(v) == (([reader], 0) if reader is not None else ([], 1))
+
+  def _readers(self, v: Value) -> tuple[list[Op], int]:
+    """The ops reading ``v`` by any of its names, once per read (annotations and repeated ops,
+    which name it, aside), and how many times it is returned."""
     names = self.names.get(v, (v,))
     readers = [op for n in names for op, _ in self.reads.get(n, ())
                if op not in self.annotations and op not in self.duplicates]
-    returned = sum(self.returned[n] for n in names)
-    return (readers, returned) == (([reader], 0) if reader is not None else ([], 1))
+    return readers, sum(self.returned[n] for n in names)
 
   # --- ops --------------------------------------------------------------------------------------
 
@@ -296,8 +300,11 @@ class _Scheduler:
     info = describe(op.eqn.primitive)
     if info is not None and info.manual is not None:
       return self.manual(op, c, info)
-    ex = self._in_pending_layout(op, self.executions.plan(
-        c, self.shardings, self.shared_price(op), self.summed_with, self._read))
+    ex = self.executions.plan(c, self.shardings, self.shared_price(op), self.summed_with,
+                              self._read)
+    if op.primitive == "broadcast_in_dim":
+      ex = self._broadcast_as_read(op, c, ex)
+    ex = self._in_pending_layout(op, ex)
     reads, writes = list(ex.needs), list(ex.produces)
     deferred = self._deferrable(op, ex)
     if deferred:
@@ -355,6 +362,47 @@ class _Scheduler:
       self.aliases[result] = earlier
     writes = tuple(self.shardings[v] for v in op.outputs)
     return ScheduledOp(op, [], (None,) * len(op.inputs), writes)
+
+  def _broadcast_as_read(self, op: Op, c: Constraint, ex: Execution) -> Execution:
+    """A broadcast whose one reader would reshard its result reads its operand resharded
+    instead, where that moves less, and writes the form its reader reads: the smaller tensor
+    moves (XLA carries the reader's sharding back through the broadcast). GQA's
+    ``jnp.repeat`` of kv heads split unevenly gathers the cache, not the repeated heads."""
+    (v,), written = op.outputs, ex.produces[0]
+    readers, returned = self._readers(v)
+    if len(readers) != 1 or returned or written is None or written.partial:
+      return ex
+    (reader,), names = readers, self.names.get(v, (v,))
+    info = describe(reader.eqn.primitive)
+    if (reader.regions or info is None or info.manual is not None or not reader.outputs
+        or self.scopes.get(reader.outputs[0], 0) != self.scopes.get(v, 0)
+        or sum(x in names for x in reader.inputs) != 1):
+      return ex
+    (rc,) = self.by_op[reader.index]
+
+    def read_from(form: TensorSharding | None) -> tuple[Execution, int]:
+      """The reader's execution and bytes with ``v`` in ``form`` (None: any form, free)."""
+      def price(x: Value, need: TensorSharding) -> int:
+        if x not in names:
+          return self.link_price(x, need)
+        if form is None:
+          return 0
+        moved = sum(s.bytes for s in self.executions.reshard(v, form, need))
+        finer = self.executions.sub_blocks(v, form, need)  # v's sole reader may take these
+        return moved if finer is None else min(moved, sum(s.bytes for s in finer))
+      return self.executions.priced(rc, self.shardings, price, self.summed_with, self._read)
+
+    ideal, ideal_bytes = read_from(None)
+    need = next(n for x, n in zip(reader.inputs, ideal.needs) if x in names)
+    if need is None or need == written or need.partial:
+      return ex
+    alt, alt_bytes = self.executions.priced(c, ChainMap({v: need}, self.shardings),
+                                            self.shared_price(op), self.summed_with, self._read)
+    if alt.produces[0] != need:
+      return ex
+    _, own_bytes = self.executions.priced(c, self.shardings, self.shared_price(op),
+                                          self.summed_with, self._read)
+    return alt if alt_bytes + ideal_bytes < own_bytes + read_from(written)[1] else ex
 
   def _order(self, axis: str) -> int:
     return list(self.mesh).index(axis)
