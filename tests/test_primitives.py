@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from helpers import assert_partitioned_matches, indices, no_more_than_xla, randn, rng
+from spmd.partition.wire import wire_for
 
 ABC = ("a", "b", "c")
 
@@ -1312,3 +1313,26 @@ def test_uneven_dims(name, mesh, sx, sy):
   """[6, 10] operands split 8, 4 or 2 ways: padded shards (backend='spmd')."""
   assert_partitioned_matches(UNEVEN[name], (randn(6, 10), randn(6, 10, seed=1)), (sx, sy), mesh,
                              backend="spmd")
+
+
+ROW_PICKS = {
+    "row_slice": lambda x: x[3:4] * 2,
+    "rows_taken": lambda x: jnp.take(x, jnp.array([5, 2]), axis=0) * 2,
+    "associative_scan": lambda x: lax.associative_scan(jnp.add, x, axis=0),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8])
+@pytest.mark.parametrize("name", list(ROW_PICKS))
+def test_rows_of_a_split_dim_are_summed_from_their_owner_in_every_numeric_dtype(name, dtype):
+  """A row picked from a split dim is taken by its owner and summed (masked pieces: exact in
+  any numeric dtype), in bfloat16 too, whose numpy kind is "V": it gathered the whole operand
+  (`x[3:4]` of bf16[16,8] over 8 devices 512 B, not 32 B; an associative scan 1,632 B, not
+  800 B). On the CPU wire bf16 is as wide as f32, so it moves what f32 moves."""
+  fn, mesh = ROW_PICKS[name], "x8"
+  x = randn(16, 8).astype(dtype) if dtype != jnp.int8 else ints(16, 8).astype(np.int8)
+  plan = assert_partitioned_matches(fn, (x,), P("x"), mesh, rtol=2e-2, atol=2e-2)
+  f32 = assert_partitioned_matches(fn, (x.astype(np.float32),), P("x"), mesh)
+  assert plan.total_bytes == f32.total_bytes * wire_for("cpu")(jnp.dtype(dtype)) // 4, (
+      plan.explain())
+  assert not any(c.kind == "all-gather" for c in plan.collectives), plan.explain()

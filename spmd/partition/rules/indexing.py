@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Sequence
 
+import jax.numpy as jnp
+
 from spmd.partition.halo_geometry import Window
 from spmd.partition.ir import Op, Value
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
@@ -217,8 +219,9 @@ def _scatter(op: Op, combiner: str | None) -> OpShardingRule:
 
 
 def _masked_reduction_ok(op: Op) -> bool:
-  """Masked partial gathers sum exactly only for numeric dtypes (not bools, not key arrays)."""
-  return getattr(op.outputs[0].dtype, "kind", None) in ("f", "c", "i", "u")
+  """Masked partial gathers sum exactly only for numeric dtypes (not bools, not key arrays;
+  bfloat16 is one, though its numpy kind is "V")."""
+  return jnp.issubdtype(op.outputs[0].dtype, jnp.number)
 
 
 def _is_key(op: Op) -> bool:

@@ -3,10 +3,11 @@ a dim with a real window is a halo factor shared by operands and result (reduce_
 select_and_scatter_add), or whole (select_and_gather_add, select_and_scatter)."""
 from __future__ import annotations
 
-from spmd.partition.halo_geometry import Window
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from spmd.partition.halo_geometry import Window
 from spmd.partition.ir import Literal, Op, Value
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
@@ -75,7 +76,8 @@ def _init_absorbs(op: Op) -> bool:
   combine = jcore.jaxpr_as_fun(closed)
   init = [np.asarray(x.val, x.aval.dtype) for x in inits]
   for sample in (-np.inf, -2.5, -1.0, 0.0, 0.5, 1.0, 3.0, np.inf):
-    a = [np.asarray(sample).astype(x.dtype) if np.isfinite(sample) or x.dtype.kind == "f"
+    a = [np.asarray(sample).astype(x.dtype)
+         if np.isfinite(sample) or jnp.issubdtype(x.dtype, jnp.floating)
          else np.asarray(0, x.dtype) for x in init]
     once = combine(*a, *init)
     twice = combine(*once, *init)
