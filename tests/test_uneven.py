@@ -551,6 +551,20 @@ def test_uneven_input_returned_unchanged_is_whole_already_and_warns_only_when_as
   assert warning.startswith("out_specs[0] P('x', None)") and "nothing gathered" in warning
 
 
+def test_uneven_input_only_returned_is_not_resharded_to_its_spec():
+  """An uneven input nothing reads but the return arrives in its even form and leaves in it:
+  f32[7,10] P('c', ('b','a')) on 2x2x2 was resharded to its spec on entry (280 B, its blocks
+  not nested in the even form's) and back for the output (208 B); the entry's row said the
+  uncommitted array arrived "committed". One the program reads is still sliced on entry."""
+  x = data((7, 10))
+  plan = assert_partitioned_matches(lambda x: x, (x,), P("c", ("b", "a")), "a2b2c2")
+  assert plan.total_bytes == 0, plan.explain()
+  plan = assert_partitioned_matches(lambda x: (x, x.sum(0)), (x,), P("c", ("b", "a")), "a2b2c2")
+  (row,) = [r for r in plan.rows if r.primitive == "input[0]"]
+  assert "returned unchanged" in row.origins[0] and "committed" not in row.origins[0]
+  assert not any("committed" in w for w in plan.warnings), plan.warnings
+
+
 # --- fewer rows than shards ------------------------------------------------------------------------
 
 def _small_batch_step(x, w):

@@ -112,10 +112,11 @@ class Planner:
                                               boundary.arrivals))
     whole = _returned_whole(program, forms, outputs, mesh)
     inputs = tuple(w or form for w, form in zip(whole, forms))
-    entries = tuple(form if w else spec if spec is not None and arrival is not None
+    entries = tuple((form if program.reads.get(v) else None) if w  # only returned: kept
+                    else spec if spec is not None and arrival is not None
                     and spec != arrival else None
-                    for w, form, spec, arrival in zip(whole, forms, boundary.inputs,
-                                                      boundary.arrivals))
+                    for v, w, form, spec, arrival in zip(program.inputs, whole, forms,
+                                                         boundary.inputs, boundary.arrivals))
     key = (prop.layout, inputs, entries, outputs)
     sched = self._schedules.get(key)
     if sched is None:

@@ -67,11 +67,14 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
   for t in sched.entry:
     k = t.slot.index
     cols = tuple(_collectives(t, None))
+    committed = boundary.arrivals[k] is not None
+    why = "committed" if committed else "returned unchanged, in an even form"
     rows.append(PlanRow(len(rows), f"input[{k}]", "in_specs", 0, (_shape(t.value),),
-                        (str(t.dst),), (f"arrives as {t.src} (committed)",), cols))
-    warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
-                    f"in_specs asks for {t.dst}: resharded inside the program "
-                    f"({sum(c.bytes for c in cols)} bytes per device)")
+                        (str(t.dst),), (f"arrives as {t.src} ({why})",), cols))
+    if committed:
+      warnings.append(f"argument {boundary.input_names[k]} arrives committed as {t.src} but "
+                      f"in_specs asks for {t.dst}: resharded inside the program "
+                      f"({sum(c.bytes for c in cols)} bytes per device)")
   for t in sched.exit:
     owner = _caused_by(program.outputs[t.slot.index], t, annotations, prop)
     if owner is not None:  # the output is an annotation's result, gathered as it asks
