@@ -112,9 +112,7 @@ class Planner:
                                               boundary.arrivals))
     whole = _returned_whole(program, forms, outputs, mesh)
     inputs = tuple(w or form for w, form in zip(whole, forms))
-    entries = tuple((form if program.reads.get(v) else None) if w  # only returned: kept
-                    else spec if spec is not None and arrival is not None
-                    and spec != arrival else None
+    entries = tuple(_entry(program, v, w, form, spec, arrival)
                     for v, w, form, spec, arrival in zip(program.inputs, whole, forms,
                                                          boundary.inputs, boundary.arrivals))
     key = (prop.layout, inputs, entries, outputs)
@@ -162,6 +160,16 @@ def _returned_whole(program: Program, forms: tuple[TensorSharding, ...],
   return tuple(returned.get(v) if not form.divides(v.shape, mesh)
                and returned.get(v) == _even(form, v.shape, mesh) else None
                for v, form in zip(program.inputs, forms))
+
+
+def _entry(program: Program, v: Value, whole: TensorSharding | None, form: TensorSharding,
+           spec: TensorSharding | None, arrival: TensorSharding | None) -> TensorSharding | None:
+  """The form input ``v`` is resharded to first (None: kept as it arrives). One returned whole
+  (``_returned_whole``) is sliced into its split ``form`` only where the program reads it; a
+  committed one whose spec differs is resharded to its spec."""
+  if whole is not None:
+    return form if program.reads.get(v) else None
+  return spec if spec is not None and arrival is not None and spec != arrival else None
 
 
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:

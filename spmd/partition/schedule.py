@@ -188,13 +188,16 @@ class _Scheduler:
           c, self.shardings, op.outputs.index(v))
     return self._partial_executions[v]
 
-  def _best(self, v: Value, dst: TensorSharding, sole_reader: bool = False
+  def _best(self, v: Value, dst: TensorSharding, sole_reader: bool = False,
+            forms: list[TensorSharding] | None = None
             ) -> tuple[TensorSharding, tuple[ReshardStep, ...]]:
-    """The form of ``v`` cheapest to reshard to ``dst`` from, and the steps; for ``v``'s sole
-    reader, the reshards of ``reshard.sub_blocks`` from each form too (``_sub_blocks``)."""
-    options = [(s, self.executions.reshard(v, s, dst)) for s in self.forms[v]]
+    """The form of ``v`` (of ``forms``; default: those made so far) cheapest to reshard to
+    ``dst`` from, and the steps; for ``v``'s sole reader, the reshards of
+    ``reshard.sub_blocks`` from each form too (``_sub_blocks``)."""
+    forms = self.forms[v] if forms is None else forms
+    options = [(s, self.executions.reshard(v, s, dst)) for s in forms]
     if sole_reader:
-      options += self._sub_blocks(v, dst)
+      options += self._sub_blocks(v, dst, forms)
     return min(options, key=lambda o: (sum(s.bytes for s in o[1]), len(o[1])))
 
   def price(self, v: Value, dst: TensorSharding) -> int:
@@ -255,11 +258,11 @@ class _Scheduler:
       if form not in self.forms[v]:
         self.forms[v].append(form)
 
-  def _sub_blocks(self, v: Value, dst: TensorSharding
+  def _sub_blocks(self, v: Value, dst: TensorSharding, forms: list[TensorSharding]
                   ) -> list[tuple[TensorSharding, tuple[ReshardStep, ...]]]:
-    """Each form of ``v`` with the ``reshard.sub_blocks`` reshard from it to ``dst``, where one
-    applies."""
-    options = [(s, self.executions.sub_blocks(v, s, dst)) for s in self.forms[v]]
+    """Each of ``forms`` of ``v`` with the ``reshard.sub_blocks`` reshard from it to ``dst``,
+    where one applies."""
+    options = [(s, self.executions.sub_blocks(v, s, dst)) for s in forms]
     return [(s, steps) for s, steps in options if steps is not None]
 
   def _read(self, v: Value) -> bool:
@@ -387,9 +390,7 @@ class _Scheduler:
           return self.link_price(x, need)
         if form is None:
           return 0
-        moved = sum(s.bytes for s in self.executions.reshard(v, form, need))
-        finer = self.executions.sub_blocks(v, form, need)  # v's sole reader may take these
-        return moved if finer is None else min(moved, sum(s.bytes for s in finer))
+        return sum(s.bytes for s in self._best(v, need, sole_reader=True, forms=[form])[1])
       return self.executions.priced(rc, self.shardings, price, self.summed_with, self._read)
 
     ideal, ideal_bytes = read_from(None)
