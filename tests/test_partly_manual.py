@@ -262,3 +262,29 @@ def test_smap_is_a_partly_manual_region():
 
   with jax.set_mesh(get_mesh(MESH)):
     assert_partitioned_matches(f, (randn(8, 6),), (P("a", "b"),), MESH, rtol=1e-5)
+
+
+def test_nested_regions_keep_the_outer_manual_axis_on_the_inner_blocks():
+  """A shard_map manual over 'b' inside one manual over 'a': the inner region's blocks stay
+  split over 'a' on their stacked dim (vmap's ``spmd_axis_name`` reaches ``spmd.annotate``'s
+  batching rule as it reaches with_sharding_constraint's), where they were gathered over 'a'
+  (256 B, XLA 64 B)."""
+  def inner(block):  # on the outer region's mesh, as JAX requires
+    return jax.shard_map(lambda b: lax.psum(b, "b"), in_specs=P(None, "b"),
+                         out_specs=P(None, "b"), axis_names={"b"})(block)
+
+  def f(x):
+    return smap(inner, P("a"), P("a"), {"a"})(x)
+
+  assert_partitioned_matches(f, (randn(8, 16),), (P("a", "b"),), MESH, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spmd_axis_name", [None, "a"])
+def test_an_annotation_under_vmap_splits_the_mapped_dim_as_with_sharding_constraint(
+    spmd_axis_name):
+  """``jax.vmap`` of ``spmd.annotate``: the mapped dim is split over ``spmd_axis_name``, else
+  left open to propagation (it was pinned whole: 128 B for rows committed over 'a'), as JAX
+  batches ``with_sharding_constraint``."""
+  f = jax.vmap(lambda r: spmd.annotate(jnp.sin(r), P("b")), spmd_axis_name=spmd_axis_name)
+  plan = assert_partitioned_matches(f, (randn(8, 16),), (P("a", "b"),), MESH, rtol=1e-5)
+  assert plan.total_bytes == 0, plan.explain()

@@ -26,14 +26,19 @@ mlir.register_lowering(annotate_p, lambda ctx, x, *, spec: [x])
 ad.deflinear2(annotate_p, lambda ct, x, *, spec: [annotate_p.bind(ct, spec=spec)])
 
 
-def _batch(args: tuple, dims: tuple, *, spec: P) -> tuple[Any, int]:
+def _batch(axis_data: Any, args: tuple, dims: tuple, *, spec: P) -> tuple[Any, int | None]:
+  """As ``with_sharding_constraint`` batches: the mapped dim is split over the vmap's
+  ``spmd_axis_name`` (a partly manual shard_map's axis), else left open to propagation."""
   (x,), (d,) = args, dims
+  if d is None:
+    return annotate_p.bind(x, spec=spec), None
   entries = list(spec) + [None] * (x.ndim - 1 - len(spec))
-  entries.insert(d, None)
+  name = axis_data.spmd_name
+  entries.insert(d, P.UNCONSTRAINED if name is None else name[0] if len(name) == 1 else name)
   return annotate_p.bind(x, spec=P(*entries)), d
 
 
-batching.primitive_batchers[annotate_p] = _batch
+batching.fancy_primitive_batchers[annotate_p] = _batch
 
 
 def annotate(x: Any, spec: P) -> Any:
