@@ -13,7 +13,7 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -32,7 +32,7 @@ from spmd.partition.lower_xla import lower_xla
 from spmd.partition.manual import restate_unbound_axis
 from spmd.partition.planner import Analysis, Boundary, Planner
 from spmd.partition.search import device_memory, search
-from spmd.partition.sharding import TensorSharding, mesh_text
+from spmd.partition.sharding import TensorSharding, mesh_text, without_reductions
 from spmd.plan import Plan
 
 BACKENDS = ("spmd", "xla")
@@ -220,23 +220,29 @@ class ContextMeshPartitioned:
     functools.update_wrapper(self, fun)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    return self.partitioned()(*args, **kwargs)
+    return self.partitioned(args, kwargs)(*args, **kwargs)
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The plan over the mesh a call made here would use (see ``Partitioned.plan``)."""
-    return self.partitioned().plan(*args, **kwargs)
+    return self.partitioned(args, kwargs).plan(*args, **kwargs)
 
   def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
     """The program lowered over the mesh a call made here would use (``Partitioned.lower``)."""
-    return self.partitioned().lower(*args, **kwargs)
+    return self.partitioned(args, kwargs).lower(*args, **kwargs)
 
-  def partitioned(self) -> Partitioned:
-    """The function partitioned over the mesh found here."""
+  def partitioned(self, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+                  ) -> Partitioned:
+    """The function partitioned over the mesh found here: the ``jax.set_mesh`` context's, else
+    the specs' ``NamedSharding`` mesh, else the one mesh ``args`` are committed to (as
+    ``jax.jit`` runs where its committed arguments are)."""
     context = context_mesh()
     mesh = self._specs_mesh if context.empty else context
     if mesh is None:
-      raise TypeError("spmd.partition: no mesh: pass mesh=, call inside jax.set_mesh(mesh), or "
-                      "give in_specs / out_specs as NamedShardings")
+      mesh = _committed_mesh((args, kwargs or {}))
+    if mesh is None:
+      raise TypeError("spmd.partition: no mesh: pass mesh=, call inside jax.set_mesh(mesh), "
+                      "give in_specs / out_specs as NamedShardings, or pass arrays committed "
+                      "to a mesh")
     if mesh not in self._per_mesh:
       self._per_mesh[mesh] = self._on_mesh(mesh)
     return self._per_mesh[mesh]
@@ -337,7 +343,8 @@ class Partitioned:
         or context.axis_names != self.mesh.axis_names or not under_jit()):
       return run(*leaves)
     return jax.sharding.auto_axes(lambda *flat: tuple(run(*flat)), out_sharding=tuple(
-        NamedSharding(self.mesh, _trimmed(s.spec)) for s in compiled.out_shardings))(*leaves)
+        NamedSharding(self.mesh, _typed_part(s.spec, self.mesh)) for s in compiled.out_shardings
+    ))(*leaves)
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -437,13 +444,24 @@ class Partitioned:
       _check_leaf(name, leaf)
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
     requested = self._requested_specs(dyn, len(leaves))
+    # A traced argument's type (under jax.jit) is its sharding on a mesh of Explicit axes, as a
+    # committed array's is eagerly. On a mesh mixing Auto axes it names only the Explicit ones:
+    # an open leaf takes it as a spec whose whole dims stay open to the Auto axes (_build).
+    # (An eager jax.grad's tracers wrap the concrete arrays, whose shardings are whole.)
+    concrete = [_concrete(leaf) for leaf in leaves]
+    typed = [_traced_type(leaf, self.mesh) if c is None else None
+             for leaf, c in zip(leaves, concrete)]
+    mixed = bool(self.mesh.auto_axes)
     given = tuple(self._whole_size_one_dims(
-        self._sharding(spec, aval.shape, f"in_specs for argument {name}"), aval.shape,
-        f"in_specs for argument {name}") for spec, aval, name in zip(requested, avals, leaf_names))
-    arrivals = tuple(self._sharding(_committed_spec(leaf, self.mesh), aval.shape,
+        self._sharding(t if spec is None and mixed else spec, aval.shape,
+                       f"in_specs for argument {name}"), aval.shape,
+        f"in_specs for argument {name}")
+        for spec, t, aval, name in zip(requested, typed, avals, leaf_names))
+    committed = tuple(_committed_spec(c, self.mesh) for c in concrete)
+    arrivals = tuple(self._sharding(t if t is not None and not mixed else c, aval.shape,
                                     f"the sharding of argument {name}")
-                     for leaf, aval, name in zip(leaves, avals, leaf_names))
-    key = (in_tree, avals, statics, given, arrivals, self._rules.rules,
+                     for c, t, aval, name in zip(committed, typed, avals, leaf_names))
+    key = (in_tree, avals, statics, given, arrivals, committed, self._rules.rules,
            _in_mesh_context(self.mesh))
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
@@ -451,13 +469,13 @@ class Partitioned:
       # auto=True ties open leaves by shape, dtype and last pytree key
       ties = tuple((aval.shape, aval.dtype, path[-1]) for (path, _), aval in zip(with_paths, avals))
       self._cache[key] = self._build(args, statics, dyn_idx, in_tree, avals, labels, given,
-                                     arrivals, ties, requested)
+                                     arrivals, ties, requested, committed)
     return self._cache[key], leaves
 
   @_collector_paused()
   def _build(self, args: tuple, statics: tuple, dyn_idx: list[int], in_tree: Any, avals: tuple,
              leaf_names: list[str], given: tuple, arrivals: tuple,
-             ties: tuple, requested: list) -> _Compiled:
+             ties: tuple, requested: list, committed: tuple) -> _Compiled:
     out_store: list[Any] = []
 
     def flat_fun(*flat: Any) -> list:
@@ -476,9 +494,12 @@ class Partitioned:
       self._traces[trace_key] = (*self._trace(flat_fun, avals, given, arrivals), *out_store[-1])
     closed, types, out_tree, graph_out = self._traces[trace_key]
     program = build_program(closed, lowering_platform(self.mesh.devices.flat[0]))
-    requests = self._out_requests(out_tree, program, types)
+    requests, open_axes = self._out_requests(out_tree, program, types)
     outputs = self._output_specs(requests, out_tree, program)
-    boundary = Boundary(given, tuple(leaf_names), outputs, arrivals)
+    # an input given a spec that in_specs left open took its type's (_compile)
+    typed_open = tuple(self.mesh.auto_axes if r is None and g is not None else ()
+                       for r, g in zip(requested, given))
+    boundary = Boundary(given, tuple(leaf_names), outputs, arrivals, typed_open, open_axes)
     planner = Planner(program, self._mesh_shape, platform=self.mesh.devices.flat[0].platform,
                       resolve=self._rules.resolve, backend=self.backend,
                       name=getattr(self.fun, "__name__", "f"), in_tree=in_tree,
@@ -495,14 +516,27 @@ class Partitioned:
       analysis = planner.analyze(boundary)
     donated = self._donated_leaves(args, dyn_idx, in_tree)
     lower = lower_spmd if self.backend == "spmd" else lower_xla
+    # an open leaf is spelled as it is committed, as jax.jit spells its input (and the outputs
+    # sharded alike) so
+    spelled = [r if r is not None else c for r, c in zip(requested, committed)]
     in_shardings = tuple(self._spelled(r, s, len(v.shape)) for r, s, v in
-                         zip(requested, analysis.schedule.inputs, program.inputs))
-    # jax.jit's in_shardings as given (a committed argument sharded otherwise is resharded here,
-    # where jax.jit refuses it), whose spelling an output sharded alike takes under set_mesh
-    first = next(((self._spelled(r, g, len(v.shape)), len(v.shape)) for r, g, v in
-                  zip(requested, given, program.inputs) if r is not None),
-                 None) if _in_mesh_context(self.mesh) else None
-    out_shardings = self._returned_shardings(requests, analysis, first)
+                         zip(spelled, analysis.schedule.inputs, program.inputs))
+    # jax.jit's in_shardings as given, else as committed (a committed argument sharded otherwise
+    # is resharded here, where jax.jit refuses it), whose spelling an output sharded alike takes
+    # where JAX types the outputs on the mesh: under set_mesh, or from committed arguments
+    typed = _in_mesh_context(self.mesh) or any(a is not None for a in arrivals)
+    first = next(((self._spelled(r, a if g is None else g, len(v.shape)), len(v.shape))
+                  for r, g, a, v in zip(spelled, given, arrivals, program.inputs)
+                  if r is not None),
+                 None) if typed else None
+    out_shardings = tuple(self._returned(r, s, len(x.aval.shape), first,
+                                         _typed_on(x.aval, self.mesh))
+                          for r, s, x in zip(requests, analysis.schedule.outputs, program.outputs))
+    # the inputs' cotangents, as jax.grad of jax.jit returns them: sharded as in_specs ask (a
+    # committed argument arriving otherwise included), spelled so, else as inferred
+    cotangents = tuple(self._spelled(r, s if g is None or a is None else g, len(v.shape))
+                       for r, g, a, s, v in zip(requested, given, arrivals,
+                                                analysis.schedule.inputs, program.inputs))
     fn = lower(analysis, self.mesh, donated, out_shardings)
     even = all(s.divides(v.shape, self._mesh_shape)
                for s, v in zip(analysis.schedule.inputs, program.inputs))
@@ -517,7 +551,7 @@ class Partitioned:
     # program's in_shardings constrain its operands instead (XLA reshards them on entry).
     traced = jax.jit(fn)
     return _Compiled(analysis, fn, traced,
-                     self._differentiable(fn, traced, flat_fun, analysis, in_shardings),
+                     self._differentiable(fn, traced, flat_fun, analysis, cotangents),
                      out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
                      in_shardings if even else None, out_shardings)
@@ -534,7 +568,7 @@ class Partitioned:
       try:
         closed, refusal = self._trace_typed(flat_fun, avals, given, arrivals)
         if closed is not None:
-          return closed, tuple(NamedSharding(self.mesh, a.sharding.spec)
+          return closed, tuple(NamedSharding(self.mesh, without_reductions(a.sharding.spec))
                                for a in closed.out_avals)
         try:
           return jax.make_jaxpr(flat_fun)(*unsharded), None
@@ -550,10 +584,10 @@ class Partitioned:
         raise clearer from None
 
   def _differentiable(self, fn: Callable, traced: Callable, flat_fun: Callable,
-                      analysis: Analysis, in_shardings: tuple[NamedSharding, ...]) -> Callable:
+                      analysis: Analysis, cotangents: tuple[NamedSharding, ...]) -> Callable:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
     cotangents sharded like the inputs, outputs' like the outputs). The inputs' cotangents come
-    back with ``in_shardings`` (the inputs' shardings as ``jax.jit`` spells them)."""
+    back with ``cotangents`` (as ``jax.grad`` of ``jax.jit`` returns them)."""
     in_specs = [s.to_spec() for s in analysis.schedule.inputs]
     out_specs = [s.to_spec() for s in analysis.schedule.outputs]
     program = analysis.program
@@ -595,7 +629,7 @@ class Partitioned:
             ([in_specs[i] for i in in_diff],
              [s for i, s in enumerate(in_specs) if i not in in_diff],
              [out_specs[j] for j in out_diff]),
-            [in_shardings[i] for i in in_diff], (), (), self.backend))
+            [cotangents[i] for i in in_diff], (), (), self.backend))
       # leaves typed on the mesh's Auto twin (by _run_traced, under an Explicit context): the
       # backward program runs there too, so the gradients come back typed as the leaves are
       auto = [m for m in (jax.typeof(x).sharding.mesh for x in leaves)
@@ -662,16 +696,19 @@ class Partitioned:
 
   def _out_requests(self, out_tree: Any, program: Any,
                     types: tuple[NamedSharding, ...] | None
-                    ) -> list[P | NamedSharding | None]:
-    """Per output, its out_specs entry, else its type's sharding on an Explicit mesh (as
-    ``jax.jit`` returns it); None: open."""
+                    ) -> tuple[list[P | NamedSharding | None], tuple[tuple[str, ...], ...]]:
+    """Per output, its out_specs entry, else its type's sharding on a mesh with Explicit axes
+    (as ``jax.jit`` returns it; None: open), and the mesh axes left to propagation on the dims
+    it leaves whole: a type names only the Explicit axes, and jax.jit shards it over the Auto
+    ones as it propagates (``Boundary.output_open_axes``)."""
     given = [None] * out_tree.num_leaves
     if self.out_specs is not None:
       outs = tree_unflatten(out_tree, [a.aval for a in program.outputs])
       given = _broadcast_prefix(self.out_specs, outs, "out_specs", "outputs")
     if types is None:
-      return given
-    return [g if g is not None else t for g, t in zip(given, types)]
+      return given, ((),) * len(given)
+    return ([g if g is not None else t for g, t in zip(given, types)],
+            tuple(() if g is not None else self.mesh.auto_axes for g in given))
 
   def _output_specs(self, requests: list[P | NamedSharding | None], out_tree: Any,
                     program: Any) -> tuple[TensorSharding | None, ...]:
@@ -681,34 +718,30 @@ class Partitioned:
     return tuple(self._sharding(spec, atom.aval.shape, f"out_specs for output {path or '0'}")
                  for spec, atom, path in zip(requests, program.outputs, paths))
 
-  def _returned_shardings(self, requests: list[P | NamedSharding | None], analysis: Analysis,
-                          first: tuple[NamedSharding, int] | None) -> tuple[NamedSharding, ...]:
-    """The shardings the outputs come back with, as from ``jax.jit``: on the user's mesh, an
-    output's request (``_out_requests``: its out_specs entry as given, logical names resolved)
-    where the program makes that sharding, else the program's spec as JAX spells a sharding it
-    infers: one entry per dim on a mesh with Explicit axes (the output's type), else the
-    ``first`` input's sharding as in_specs spell it where the output has its rank, is sharded
-    alike and its type is on this mesh (JAX recovers the user's spelling so under
-    ``jax.set_mesh`` of this mesh: pxla's ``maybe_recover_user_shardings``; ``first`` is None
+  def _returned(self, given: P | NamedSharding | None, s: TensorSharding, ndim: int,
+                first: tuple[NamedSharding, int] | None, typed: bool) -> NamedSharding:
+    """The sharding an output comes back with, as from ``jax.jit``: on the user's mesh, its
+    request (``_out_requests``: its out_specs entry as given, logical names resolved) where
+    the program makes that sharding ``s``, else ``s`` as JAX spells a sharding it infers: one
+    entry per dim on a mesh with Explicit axes where it names none of the Auto ones (it is then
+    the output's type), else the ``first`` input's sharding as jax.jit's in_shardings spell it
+    where the output has its rank, is sharded alike and is ``typed`` on this mesh (JAX recovers
+    the user's spelling so where it types outputs on the mesh, under ``jax.set_mesh`` of it or
+    from committed arguments: pxla's ``maybe_recover_user_shardings``; ``first`` is None
     elsewhere; a sort's result type has no mesh), else without trailing Nones."""
-    explicit = AxisType.Explicit in self.mesh.axis_types
-    out = []
-    for given, s, x in zip(requests, analysis.schedule.outputs, analysis.program.outputs):
-      ndim = len(x.aval.shape)
-      made = self._spelled(given, s, ndim)
-      if (given is None and not explicit and first is not None and first[1] == ndim
-          and _typed_on(x.aval, self.mesh) and first[0].is_equivalent_to(made, ndim)):
-        made = first[0]
-      out.append(made)
-    return tuple(out)
+    made = self._spelled(given, s, ndim)
+    if (given is None and AxisType.Explicit not in self.mesh.axis_types and first is not None
+        and first[1] == ndim and typed and first[0].is_equivalent_to(made, ndim)):
+      return first[0]
+    return made
 
   def _spelled(self, given: P | NamedSharding | None, s: TensorSharding,
                ndim: int) -> NamedSharding:
     """Sharding ``s`` on the user's mesh as ``jax.jit`` spells it: ``given`` (a spec or
     sharding, logical names resolved as flax's logical_to_mesh_sharding does) where it is
-    ``s``, else as JAX spells one it infers (see ``_returned_shardings``)."""
-    explicit = AxisType.Explicit in self.mesh.axis_types
-    made = NamedSharding(self.mesh, s.to_spec() if explicit else _trimmed(s.to_spec()))
+    ``s``, else as JAX spells one it infers (see ``_returned``)."""
+    typed = self.mesh.explicit_axes and not set(self.mesh.auto_axes) & set(s.axes)
+    made = NamedSharding(self.mesh, s.to_spec() if typed else _trimmed(s.to_spec()))
     if isinstance(given, P):
       given = NamedSharding(self.mesh, self._rules.resolve(given, "specs"))
     return (given if isinstance(given, NamedSharding) and given.is_equivalent_to(made, ndim)
@@ -724,6 +757,12 @@ class Partitioned:
         raise ValueError(f"{what}: {spec} is on another mesh than spmd.partition's "
                          f"{dict(self.mesh.shape)}")
       spec = spec.spec
+    if isinstance(spec, P) and spec.unreduced:
+      raise ValueError(f"spmd.partition: {what}: {spec} names unreduced axes (partial sums), "
+                       "which spmd takes only inside the function (out_sharding=, reshard); "
+                       "give the reduced spec")
+    if isinstance(spec, P):
+      spec = without_reductions(spec)  # reduced axes: replicated over them
     if isinstance(spec, P) and any(e is P.UNCONSTRAINED for e in spec):
       raise ValueError(f"spmd.partition: {what}: {spec} leaves a dim unconstrained, which (as "
                        "in jax.jit) only an annotation inside the function may do; write None "
@@ -939,7 +978,8 @@ def _inexact(aval: Any) -> bool:
 def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
   """The spec of a JAX array committed to ``mesh``'s devices, or of an abstract argument
   (``jax.ShapeDtypeStruct``) given a sharding on them, which ``jax.jit``'s ``lower`` takes as
-  committed; None for anything else."""
+  committed (its reduced axes dropped: replicated over them; unreduced ones, partial sums, are
+  refused); None for anything else."""
   if isinstance(leaf, jax.ShapeDtypeStruct):
     committed, sharding = leaf.sharding is not None, leaf.sharding
   elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -949,7 +989,54 @@ def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
   if (committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
       and sharding.mesh.axis_names == mesh.axis_names
       and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
-    return sharding.spec
+    if sharding.spec.unreduced:
+      raise ValueError(f"spmd.partition: an argument arrives as unreduced partial sums "
+                       f"({sharding.spec}); reshard it to a reduced spec first")
+    return without_reductions(sharding.spec)
+  return None
+
+
+def _committed_mesh(tree: Any) -> Mesh | None:
+  """The mesh the arrays of ``tree`` committed to a ``NamedSharding`` (or abstract arguments
+  given one) share; None where there is none. Arrays on several meshes are an error, as in
+  ``jax.jit``."""
+  meshes = {leaf.sharding.mesh for leaf in jax.tree_util.tree_leaves(tree)
+            if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+            and not isinstance(leaf, jax.core.Tracer)
+            and (not isinstance(leaf, jax.Array) or leaf.committed)
+            and isinstance(leaf.sharding, NamedSharding) and isinstance(leaf.sharding.mesh, Mesh)}
+  if len(meshes) > 1:
+    raise ValueError("spmd.partition: the arguments are committed to different meshes "
+                     f"({', '.join(str(dict(m.shape)) for m in meshes)}) and no mesh is given: "
+                     "pass mesh= or call inside jax.set_mesh(mesh)")
+  return next(iter(meshes), None)
+
+
+def _concrete(leaf: Any) -> Any:
+  """``leaf``, or the concrete value an eager ``jax.jvp`` / ``jax.grad`` tracer carries as its
+  primal; None for a tracer of a staged or batched value."""
+  while isinstance(leaf, jax.core.Tracer):
+    leaf = getattr(leaf, "primal", None)
+  return leaf
+
+
+def _typed_part(spec: P, mesh: Mesh) -> P:
+  """``spec`` naming only ``mesh``'s Explicit axes (a type's), without trailing Nones."""
+  auto = set(mesh.auto_axes)
+  entries = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in auto)
+             for e in spec]
+  return _trimmed(P(*(None if not e else e[0] if len(e) == 1 else e for e in entries)))
+
+
+def _traced_type(leaf: Any, mesh: Mesh) -> P | None:
+  """The spec of a traced argument's type on ``mesh``, where it has Explicit axes (the type
+  names those); None for anything else."""
+  if not isinstance(leaf, jax.core.Tracer):
+    return None
+  typed = jax.typeof(leaf).sharding
+  if (typed.mesh.explicit_axes and typed.mesh.axis_names == mesh.axis_names
+      and typed.mesh.axis_sizes == mesh.axis_sizes):
+    return without_reductions(typed.spec)
   return None
 
 

@@ -345,6 +345,21 @@ def test_without_mesh_the_named_shardings_give_it(mesh):
   np.testing.assert_allclose(got, f(X, W), rtol=1e-5, atol=1e-5)
 
 
+def test_without_mesh_the_committed_arguments_give_it(mesh):
+  """As jax.jit runs where its committed arguments are: no mesh=, no context, no
+  NamedSharding specs; the arguments' shardings seed the plan and their spelling comes back."""
+  x = jax.device_put(X, NamedSharding(mesh, P("data", None)))
+  w = jax.device_put(W, NamedSharding(mesh, P(None, "model")))
+  g = spmd.partition(lambda x, w: jnp.tanh(x @ w))
+  got, want = g(x, w), jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert got.sharding == want.sharding  # P('data', 'model'), spelled as jax.jit spells it
+  assert g.plan(x, w).total_bytes == 0
+  other = jax.device_put(W, NamedSharding(spmd.make_mesh({"data": 4, "model": 2}), P()))
+  with pytest.raises(ValueError, match="committed to different meshes"):
+    g(x, other)
+
+
 def test_without_mesh_and_outside_a_context_is_a_clear_error(mesh):
   with pytest.raises(TypeError, match="no mesh: pass mesh=, call inside jax.set_mesh"):
     spmd.partition(f, in_specs=(P("data", None), None))(X, W)

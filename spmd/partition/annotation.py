@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.partition.ir import Op, names_mesh_axes
 from spmd.partition.primitives import describe
-from spmd.partition.sharding import mesh_text
+from spmd.partition.sharding import mesh_text, without_reductions
 
 annotate_p = Primitive("spmd_annotate")
 annotate_p.def_impl(lambda x, *, spec: x)
@@ -81,7 +81,7 @@ def constraint_request(op: Op) -> Request:
   if not isinstance(sharding, NamedSharding):
     raise TypeError(f"with_sharding_constraint at {op.source}: spmd.partition needs a "
                     f"PartitionSpec or NamedSharding, got {type(sharding).__name__}")
-  spec = sharding.spec
+  spec = without_reductions(sharding.spec)
   open_dims = set(op.params.get("unconstrained_dims") or ())
   open_dims |= {d for d, e in enumerate(spec) if e is P.UNCONSTRAINED}
   return spec, frozenset(open_dims)
@@ -89,17 +89,16 @@ def constraint_request(op: Op) -> Request:
 
 def reshard_request(op: Op) -> Request | None:
   """``jax.sharding.reshard``'s destination. Over Explicit axes it is the result's type: a dim it
-  leaves None is replicated, as under ``jax.jit``; where its mesh has Auto axes (inside
-  ``auto_axes``) only the dims naming mesh axes are asked for. One onto a mesh without axes (the
-  cast jax.grad adds to a cotangent under ``jax.set_mesh``) asks nothing."""
+  leaves None is replicated, as under ``jax.jit``; where its mesh has Auto axes the dims stay
+  open as a type's do (``_typed_open_dims``). One onto a mesh without axes (the cast jax.grad
+  adds to a cotangent under ``jax.set_mesh``) asks nothing."""
   sharding = op.params["dst_sharding"]
   if not sharding.mesh.axis_names:
     return None
-  spec, rank = sharding.spec, len(op.outputs[0].shape)
+  spec, rank = without_reductions(sharding.spec), len(op.outputs[0].shape)
   if AxisType.Auto not in sharding.mesh.axis_types:
     return spec, frozenset(d for d in range(min(rank, len(spec))) if spec[d] is P.UNCONSTRAINED)
-  return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
-                         or spec[d] is P.UNCONSTRAINED)
+  return spec, _typed_open_dims(spec, sharding.mesh, rank)
 
 
 def _out_sharding(op: Op) -> Request | None:
@@ -110,10 +109,21 @@ def _out_sharding(op: Op) -> Request | None:
   sharding = op.params.get("out_sharding", op.params.get("sharding"))
   if not names_mesh_axes(sharding) or len(op.outputs) != 1:
     return None
-  spec = sharding.spec
-  rank = len(op.outputs[0].shape)
-  return spec, frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
-                         or spec[d] is P.UNCONSTRAINED)
+  spec = without_reductions(sharding.spec)
+  return spec, _typed_open_dims(spec, sharding.mesh, len(op.outputs[0].shape))
+
+
+def _typed_open_dims(spec: P, mesh: Any, rank: int) -> frozenset[int]:
+  """The dims a spec in a type on ``mesh`` leaves open: those it leaves None; every dim where
+  the mesh has Auto axes and the spec names none of them (a type names only the Explicit axes,
+  and jax.jit lowers it open to the Auto ones after them: Shardy's ``{"x", ?}``)."""
+  auto = set(mesh.auto_axes)
+  named = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())
+           if entry is not P.UNCONSTRAINED}
+  if auto and not auto & named:
+    return frozenset(range(rank))
+  return frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
+                   or spec[d] is P.UNCONSTRAINED)
 
 
 _JAX_DIR = os.path.dirname(jax.__file__)

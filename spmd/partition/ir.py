@@ -935,7 +935,7 @@ def names_mesh_axes(sharding: Any) -> bool:
   """Whether an op's ``sharding``/``out_sharding`` param names a mesh axis for some dim; one that
   names none (JAX writes ``P(None, ...)`` under an abstract mesh, or None) asks nothing."""
   return isinstance(sharding, NamedSharding) and any(
-      entry not in (None, P.UNCONSTRAINED) for entry in sharding.spec)
+      entry not in (None, P.UNCONSTRAINED) for entry in sharding.spec.partitions)
 
 
 def _canonical_slice(op: Op) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from spmd.partition.reshard import IotaFill
 from spmd.partition.rendering import render_plan
 from spmd.partition.repeats import mark_repeats
 from spmd.partition.schedule import ProgramFacts, Schedule, program_facts, schedule
-from spmd.partition.sharding import MeshShape, TensorSharding
+from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 from spmd.partition.trips import trip_counts
 from spmd.partition.wire import wire_for
 from spmd.plan import Plan
@@ -33,6 +33,11 @@ class Boundary:
   input_names: tuple[str, ...]
   outputs: tuple[TensorSharding | None, ...]
   arrivals: tuple[TensorSharding | None, ...]
+  # Per input and output, the mesh axes propagation may put on the dims its spec leaves whole
+  # (one typed on a mesh mixing Explicit and Auto axes: its type names only the Explicit ones,
+  # and jax.jit shards it over the Auto ones as it propagates); none: the spec is closed.
+  input_open_axes: tuple[Axes, ...]
+  output_open_axes: tuple[Axes, ...]
 
   def input_text(self, k: int) -> str:
     return f"input {k} ({self.input_names[k]})"
@@ -103,13 +108,13 @@ class Planner:
     is returned replicated along that dim, with a warning)."""
     program, mesh = self.program, self.mesh
     prop = self.propagator(_seeds(program, boundary, self.annotations))
-    wanted = tuple(spec if spec is not None else prop.shardings[atom] if isinstance(atom, Value)
-                   else TensorSharding.replicated(len(atom.aval.shape))
-                   for atom, spec in zip(program.outputs, boundary.outputs))
+    wanted = tuple(_wanted(atom, spec, axes, prop, mesh) for atom, spec, axes in
+                   zip(program.outputs, boundary.outputs, boundary.output_open_axes))
     outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
-    forms = tuple(arrival or spec or _even(prop.shardings[v], v.shape, mesh)
-                  for v, spec, arrival in zip(program.inputs, boundary.inputs,
-                                              boundary.arrivals))
+    forms = tuple(arrival or (_wanted(v, spec, axes, prop, mesh) if spec is not None
+                              else _even(prop.shardings[v], v.shape, mesh))
+                  for v, spec, arrival, axes in zip(program.inputs, boundary.inputs,
+                                                    boundary.arrivals, boundary.input_open_axes))
     whole = _returned_whole(program, forms, outputs, mesh)
     inputs = tuple(w or form for w, form in zip(whole, forms))
     entries = tuple(_entry(program, v, w, form, spec, arrival)
@@ -172,6 +177,27 @@ def _entry(program: Program, v: Value, whole: TensorSharding | None, form: Tenso
   return spec if spec is not None and arrival is not None and spec != arrival else None
 
 
+def _wanted(atom: Any, spec: TensorSharding | None, open_axes: Axes, prop: Propagation,
+            mesh: MeshShape) -> TensorSharding:
+  """A boundary value's sharding as asked: its spec, each dim followed by the axes of
+  ``open_axes`` propagation put after the spec's on that dim (in its order, each axis once,
+  while they divide it: Shardy's open dim ``{"x", ?}``); an open value's, as propagated."""
+  if not isinstance(atom, Value):
+    return spec or TensorSharding.replicated(len(atom.aval.shape))
+  if spec is None:
+    return prop.shardings[atom]
+  used = set(spec.axes)
+  dims = []
+  for want, got, n in zip(spec.dims, prop.shardings[atom].dims, atom.shape):
+    more = tuple(a for a in got[len(want):] if a in open_axes and a not in used
+                 ) if got[:len(want)] == want else ()
+    while more and n % axes_size(want + more, mesh):
+      more = more[:-1]
+    used.update(more)
+    dims.append(want + more)
+  return spec.with_dims(dims)
+
+
 def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorSharding:
   dims = []
   for d, axes in enumerate(s.dims):
@@ -187,15 +213,23 @@ def _seeds(program: Program, boundary: Boundary,
   seeds: dict[Value, Seed] = {}
   for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
-      seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", boundary.input_text(k)))
+      seeds[v] = Seed(s, _closed(s, boundary.input_open_axes[k]),
+                      Origin("input", boundary.input_text(k)))
     elif arrival is not None:  # an open leaf of a committed argument: its sharding, as jax.jit
       seeds[v] = Seed(arrival, frozenset(range(arrival.rank)),
                       Origin("input", f"{boundary.input_text(k)}, as committed"))
   seeds.update(annotations)
   for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):
     if s is not None and isinstance(atom, Value) and atom not in seeds:
-      seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"))
+      seeds[atom] = Seed(s, _closed(s, boundary.output_open_axes[k]),
+                         Origin("output", f"out_specs[{k}]"))
   return seeds
+
+
+def _closed(spec: TensorSharding, open_axes: Axes) -> frozenset[int]:
+  """The dims of a boundary spec propagation may not add to: all of them, or none where it
+  leaves ``open_axes`` to propagation (which keeps the spec's axes, major)."""
+  return frozenset() if open_axes else frozenset(range(spec.rank))
 
 
 def annotation_seeds(program: Program, mesh: MeshShape,

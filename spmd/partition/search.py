@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -80,7 +80,7 @@ def _variables(boundary: Boundary, ties: Sequence[Hashable]) -> list[list[int]]:
 
 def _assign(boundary: Boundary, fixed: dict[int, TensorSharding]) -> Boundary:
   inputs = tuple(fixed.get(k, s) for k, s in enumerate(boundary.inputs))
-  return Boundary(inputs, boundary.input_names, boundary.outputs, boundary.arrivals)
+  return replace(boundary, inputs=inputs)
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:

@@ -95,6 +95,13 @@ class TensorSharding:
     return text + f" partial-{self.partial_op}({', '.join(self.partial)})"
 
 
+def without_reductions(spec: P) -> P:
+  """``spec``'s per-dim entries alone. A type's ``unreduced`` axes (JAX 0.12: partial sums an
+  op leaves for a later reshard to reduce) and ``reduced`` ones name no split: the value is the
+  reduced one, and spmd reduces partial sums where its schedule puts them."""
+  return P(*spec.partitions) if spec.unreduced or spec.reduced else spec
+
+
 def mesh_text(mesh_shape: MeshShape) -> str:
   """``data=2, model=4``: a mesh as errors name it."""
   return ", ".join(f"{name}={size}" for name, size in mesh_shape.items())
