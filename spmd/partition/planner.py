@@ -33,9 +33,9 @@ class Boundary:
   input_names: tuple[str, ...]
   outputs: tuple[TensorSharding | None, ...]
   arrivals: tuple[TensorSharding | None, ...]
-  # Per input and output, the mesh axes propagation may put on the dims its spec leaves whole
-  # (one typed on a mesh mixing Explicit and Auto axes: its type names only the Explicit ones,
-  # and jax.jit shards it over the Auto ones as it propagates); none: the spec is closed.
+  # Per input and output, the mesh axes propagation may add after its spec's on each dim (one
+  # typed on a mesh mixing Explicit and Auto axes: its type names only the Explicit ones, and
+  # jax.jit shards it over the Auto ones as it propagates); none: the spec is closed.
   input_open_axes: tuple[Axes, ...]
   output_open_axes: tuple[Axes, ...]
 
