@@ -285,3 +285,20 @@ def test_an_unrolled_scan_in_a_body_holds_a_psum_per_copy():
   psums = [c for c in plan.collectives if c.primitive == "shard_map" and c.before == "manual"]
   assert sorted(c.trips for c in psums) == [1, 1, 1], plan.explain()
   assert body_kinds(plan) == {"all-reduce": 3 * 4 * 4 * 4}
+
+
+@pytest.mark.parametrize("with_value", [False, True])
+def test_gradient_of_a_psum_loss_drops_the_unread_forward_psum(with_value):
+  """``jax.grad`` of a loss a shard_map psums: the forward psum's result is not read (the
+  gradient is the backward's), so it leaves the region with its collective, as XLA drops it
+  (the plan listed it: plan != HLO, 132 / 128 B). ``jax.value_and_grad`` reads it: it stays."""
+  mesh = get_mesh(MESH)
+
+  def loss(w, x):
+    return jax.shard_map(lambda a, b: lax.psum(jnp.sum(jnp.tanh(a @ b)), ("a", "b")), mesh=mesh,
+                         in_specs=(P("a", "b"), P("b", None)), out_specs=P())(x, w)
+
+  fn = jax.value_and_grad(loss) if with_value else jax.grad(loss)
+  plan = assert_partitioned_matches(fn, (randn(16, 8, seed=1), randn(8, 16)),
+                                    (P("b", None), P("a", "b")), MESH, rtol=1e-4, atol=1e-5)
+  assert body_kinds(plan)["all-reduce"] == (4 if with_value else 0) + 128, plan.explain()

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.partition.atoms import Atom, Literal, Value
 from spmd.partition.fold import fold_constants, fold_region_empties
-from spmd.partition.jax_compat import open_jaxpr, scan_layout
+from spmd.partition.jax_compat import open_jaxpr, scan_layout, without_dead_outputs
 from spmd.partition.primitives import SHARDING_PARAMS, PrimitiveInfo, bind, describe, operands
 from spmd.partition.roll import fuse_rolls
 
@@ -293,6 +293,8 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
       _drop_dead_stacked_outputs(op, live)
     if op.primitive == "cond":
       _drop_dead_branch_outputs(op, live)
+    if op.primitive == "shard_map":
+      op = _without_dead_manual_outputs(op, live)
     if op.primitive in ("scan", "while"):
       _pass_dead_carries_through(op, live)
     for region in op.regions:
@@ -311,6 +313,21 @@ def _values_read(ops: list[Op], outputs: Sequence[Atom]) -> set[Value]:
     if op.eqn.effects or any(v in live for v in op.outputs):
       live.update(a for a in op.inputs if isinstance(a, Value))
   return live
+
+
+def _without_dead_manual_outputs(region: Op, live: set) -> Op:
+  """A user's shard_map without the results nothing reads, nor the body equations computing
+  only them (XLA drops a dead result and its collectives: the forward ``psum`` of a loss under
+  ``jax.grad``)."""
+  used = [v in live for v in region.outputs]
+  if all(used):
+    return region
+  params = dict(region.params, jaxpr=without_dead_outputs(region.params["jaxpr"], used),
+                out_specs=tuple(s for s, u in zip(region.params["out_specs"], used) if u))
+  eqn = region.eqn.replace(params=params,
+                           outvars=[v for v, u in zip(region.eqn.outvars, used) if u])
+  return replace(region, params=params, eqn=eqn,
+                 outputs=tuple(v for v, u in zip(region.outputs, used) if u))
 
 
 def _drop_dead_branch_outputs(cond: Op, live: set) -> None:

@@ -14,7 +14,7 @@ import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax._src import core as src_core  # unsafe_am_i_under_a_jit, internal in 0.10 to 0.12
@@ -97,6 +97,13 @@ def weakly_typed(x: Any) -> Any:
   arithmetic): the local program may compute it from literals bound strongly typed."""
   from jax._src.lax import lax as lax_internal  # noqa: PLC0415 (no public API sets weak_type)
   return lax_internal._convert_element_type(x, weak_type=True)  # noqa: SLF001
+
+
+def without_dead_outputs(jaxpr: Any, used: Sequence[bool]) -> Any:
+  """``jaxpr`` returning only its ``used`` outputs, with the equations computing only the others
+  dropped (effects stay) and every input kept."""
+  from jax._src.interpreters import partial_eval  # noqa: PLC0415 (dce_jaxpr: internal, 0.10-0.12)
+  return partial_eval.dce_jaxpr(jaxpr, list(used), instantiate=True)[0]
 
 
 def set_cpu_device_count(count: int) -> None:
