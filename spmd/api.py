@@ -343,8 +343,8 @@ class Partitioned:
         or context.axis_names != self.mesh.axis_names or not under_jit()):
       return run(*leaves)
     return jax.sharding.auto_axes(lambda *flat: tuple(run(*flat)), out_sharding=tuple(
-        NamedSharding(self.mesh, _typed_part(s.spec, self.mesh)) for s in compiled.out_shardings
-    ))(*leaves)
+        NamedSharding(self.mesh, _typed_part(s, self.mesh))
+        for s in compiled.analysis.schedule.outputs))(*leaves)
 
   def plan(self, *args: Any, **kwargs: Any) -> Plan:
     """The partitioned program's plan for these arguments (abstract values suffice)."""
@@ -975,36 +975,40 @@ def _inexact(aval: Any) -> bool:
   return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
-def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
-  """The spec of a JAX array committed to ``mesh``'s devices, or of an abstract argument
-  (``jax.ShapeDtypeStruct``) given a sharding on them, which ``jax.jit``'s ``lower`` takes as
-  committed (its reduced axes dropped: replicated over them; unreduced ones, partial sums, are
-  refused); None for anything else."""
+def _committed_sharding(leaf: Any) -> NamedSharding | None:
+  """The ``NamedSharding`` on a concrete mesh of a committed JAX array, or of an abstract
+  argument (``jax.ShapeDtypeStruct``) given one, which ``jax.jit``'s ``lower`` takes as
+  committed; None for anything else."""
   if isinstance(leaf, jax.ShapeDtypeStruct):
     committed, sharding = leaf.sharding is not None, leaf.sharding
   elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
     committed, sharding = leaf.committed, leaf.sharding
   else:
     return None
-  if (committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
-      and sharding.mesh.axis_names == mesh.axis_names
-      and np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
-    if sharding.spec.unreduced:
-      raise ValueError(f"spmd.partition: an argument arrives as unreduced partial sums "
-                       f"({sharding.spec}); reshard it to a reduced spec first")
-    return without_reductions(sharding.spec)
+  if committed and isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+    return sharding
   return None
 
 
+def _committed_spec(leaf: Any, mesh: Mesh) -> P | None:
+  """The spec of ``leaf``'s committed sharding (``_committed_sharding``) where it is on
+  ``mesh``'s devices, its reduced axes dropped (replicated over them; unreduced ones, partial
+  sums, are refused); None for anything else."""
+  sharding = _committed_sharding(leaf)
+  if (sharding is None or sharding.mesh.axis_names != mesh.axis_names
+      or not np.array_equal(sharding.mesh.device_ids, mesh.device_ids)):
+    return None
+  if sharding.spec.unreduced:
+    raise ValueError(f"spmd.partition: an argument arrives as unreduced partial sums "
+                     f"({sharding.spec}); reshard it to a reduced spec first")
+  return without_reductions(sharding.spec)
+
+
 def _committed_mesh(tree: Any) -> Mesh | None:
-  """The mesh the arrays of ``tree`` committed to a ``NamedSharding`` (or abstract arguments
-  given one) share; None where there is none. Arrays on several meshes are an error, as in
-  ``jax.jit``."""
-  meshes = {leaf.sharding.mesh for leaf in jax.tree_util.tree_leaves(tree)
-            if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
-            and not isinstance(leaf, jax.core.Tracer)
-            and (not isinstance(leaf, jax.Array) or leaf.committed)
-            and isinstance(leaf.sharding, NamedSharding) and isinstance(leaf.sharding.mesh, Mesh)}
+  """The mesh the committed arguments in ``tree`` (``_committed_sharding``) share; None where
+  there is none. Arguments on several meshes are an error, as in ``jax.jit``."""
+  meshes = {s.mesh for s in map(_committed_sharding, jax.tree_util.tree_leaves(tree))
+            if s is not None}
   if len(meshes) > 1:
     raise ValueError("spmd.partition: the arguments are committed to different meshes "
                      f"({', '.join(str(dict(m.shape)) for m in meshes)}) and no mesh is given: "
@@ -1020,12 +1024,11 @@ def _concrete(leaf: Any) -> Any:
   return leaf
 
 
-def _typed_part(spec: P, mesh: Mesh) -> P:
-  """``spec`` naming only ``mesh``'s Explicit axes (a type's), without trailing Nones."""
+def _typed_part(s: TensorSharding, mesh: Mesh) -> P:
+  """Sharding ``s`` as a type on ``mesh`` names it: its Explicit axes alone, without trailing
+  Nones."""
   auto = set(mesh.auto_axes)
-  entries = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in auto)
-             for e in spec]
-  return _trimmed(P(*(None if not e else e[0] if len(e) == 1 else e for e in entries)))
+  return _trimmed(s.with_dims([tuple(a for a in d if a not in auto) for d in s.dims]).to_spec())
 
 
 def _traced_type(leaf: Any, mesh: Mesh) -> P | None:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmd.partition.ir import Op, names_mesh_axes
 from spmd.partition.primitives import describe
-from spmd.partition.sharding import mesh_text, without_reductions
+from spmd.partition.sharding import TensorSharding, mesh_text, without_reductions
 
 annotate_p = Primitive("spmd_annotate")
 annotate_p.def_impl(lambda x, *, spec: x)
@@ -118,9 +118,7 @@ def _typed_open_dims(spec: P, mesh: Any, rank: int) -> frozenset[int]:
   the mesh has Auto axes and the spec names none of them (a type names only the Explicit axes,
   and jax.jit lowers it open to the Auto ones after them: Shardy's ``{"x", ?}``)."""
   auto = set(mesh.auto_axes)
-  named = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())
-           if entry is not P.UNCONSTRAINED}
-  if auto and not auto & named:
+  if auto and not auto & set(TensorSharding.from_spec(spec, rank, dict(mesh.shape)).axes):
     return frozenset(range(rank))
   return frozenset(d for d in range(rank) if d >= len(spec) or spec[d] is None
                    or spec[d] is P.UNCONSTRAINED)

@@ -315,19 +315,19 @@ def _values_read(ops: list[Op], outputs: Sequence[Atom]) -> set[Value]:
   return live
 
 
-def _without_dead_manual_outputs(region: Op, live: set) -> Op:
+def _without_dead_manual_outputs(shard_map: Op, live: set) -> Op:
   """A user's shard_map without the results nothing reads, nor the body equations computing
   only them (XLA drops a dead result and its collectives: the forward ``psum`` of a loss under
   ``jax.grad``)."""
-  used = [v in live for v in region.outputs]
+  used = [v in live for v in shard_map.outputs]
   if all(used):
-    return region
-  params = dict(region.params, jaxpr=without_dead_outputs(region.params["jaxpr"], used),
-                out_specs=tuple(s for s, u in zip(region.params["out_specs"], used) if u))
-  eqn = region.eqn.replace(params=params,
-                           outvars=[v for v, u in zip(region.eqn.outvars, used) if u])
-  return replace(region, params=params, eqn=eqn,
-                 outputs=tuple(v for v, u in zip(region.outputs, used) if u))
+    return shard_map
+  params = dict(shard_map.params, jaxpr=without_dead_outputs(shard_map.params["jaxpr"], used),
+                out_specs=tuple(s for s, u in zip(shard_map.params["out_specs"], used) if u))
+  eqn = shard_map.eqn.replace(params=params,
+                              outvars=[v for v, u in zip(shard_map.eqn.outvars, used) if u])
+  return replace(shard_map, params=params, eqn=eqn,
+                 outputs=tuple(v for v, u in zip(shard_map.outputs, used) if u))
 
 
 def _drop_dead_branch_outputs(cond: Op, live: set) -> None:
