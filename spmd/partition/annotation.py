@@ -113,6 +113,19 @@ def _out_sharding(op: Op) -> Request | None:
   return spec, _typed_open_dims(spec, sharding.mesh, len(op.outputs[0].shape))
 
 
+def explicit_type(aval: Any, mesh_axes: frozenset[str]) -> P | None:
+  """The spec of a value's type where it was traced on a mesh of Explicit axes only, naming
+  ``mesh_axes`` (jax.jit's layout for it: a dim the type leaves None is whole); None for a
+  value on any other mesh (Auto or Manual axes), or typed unreduced or reduced."""
+  sharding = getattr(aval, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if (mesh is None or set(mesh.axis_names) != mesh_axes
+      or any(t != AxisType.Explicit for t in mesh.axis_types)):
+    return None
+  spec = sharding.spec
+  return None if spec.unreduced or spec.reduced else spec
+
+
 def _typed_open_dims(spec: P, mesh: Any, rank: int) -> frozenset[int]:
   """The dims a spec in a type on ``mesh`` leaves open: those it leaves None; every dim where
   the mesh has Auto axes and the spec names none of them (a type names only the Explicit axes,

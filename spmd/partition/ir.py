@@ -116,9 +116,7 @@ class Program:
     """The ops that annotate a value (a sharding constraint): their result names their
     operand."""
     return frozenset(op for op, _ in self.nested_ops
-                     if op.inputs and isinstance(op.inputs[0], Value)
-                     and (info := describe(op.eqn.primitive)) is not None
-                     and info.annotation is not None)
+                     if op.inputs and isinstance(op.inputs[0], Value) and annotates(op))
 
   @functools.cached_property
   def value_depths(self) -> dict[Value, int]:
@@ -129,6 +127,12 @@ class Program:
       depths.update((v, depth) for v in op.outputs)
       depths.update((v, depth + 1) for region in op.regions for v in region.inputs)
     return depths
+
+
+def annotates(op: Op) -> bool:
+  """Whether ``op`` is a sharding annotation (its result is its operand, resharded)."""
+  info = describe(op.eqn.primitive)
+  return info is not None and info.annotation is not None
 
 
 def depth_first(items: list, children: Any = lambda item: [r.ops for r in item.regions]

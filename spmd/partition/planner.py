@@ -8,10 +8,10 @@ from typing import Any, Callable, Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from spmd.partition.annotation import annotation_spec
+from spmd.partition.annotation import annotation_spec, explicit_type
 from spmd.partition.cse import Duplicates
 from spmd.partition.execution import ExecutionPlanner
-from spmd.partition.ir import Literal, Program, Value
+from spmd.partition.ir import Literal, Program, Value, annotates
 from spmd.partition.propagate import Origin, Propagation, Propagator, Seed
 from spmd.partition.reshard import IotaFill
 from spmd.partition.rendering import render_plan
@@ -64,12 +64,17 @@ class Scheduled:
 
 def made_anywhere(program: Program) -> dict[Value, Any]:
   """The values every device can make itself, each by its Splat fill: a broadcast of a literal
-  (the literal's value) and an iota (IotaFill). They are made anew in the form an op reads (XLA
-  folds a collective of such a value into the value)."""
+  (the literal's value), or of an annotation of one (jax.grad's cotangent seed under an Explicit
+  mesh, ``reshard(1.0)``), and an iota (IotaFill). They are made anew in the form an op reads
+  (XLA folds a collective of such a value into the value)."""
+  annotated = {op.outputs[0]: op.inputs[0] for op in program.all_ops() if annotates(op)}
   made: dict[Value, Any] = {}
   for op in program.all_ops():
-    if op.primitive == "broadcast_in_dim" and isinstance(op.inputs[0], Literal):
-      made[op.outputs[0]] = op.inputs[0].val
+    operand = op.inputs[0] if op.inputs else None
+    while isinstance(operand, Value) and operand in annotated:
+      operand = annotated[operand]
+    if op.primitive == "broadcast_in_dim" and isinstance(operand, Literal):
+      made[op.outputs[0]] = operand.val
     elif op.primitive == "iota":
       made[op.outputs[0]] = IotaFill(op.params["dimension"])
   return made
@@ -93,6 +98,7 @@ class Planner:
     self.trips = trip_counts(program)
     self.duplicates = Duplicates(program)
     self.annotations = annotation_seeds(program, mesh, resolve)
+    self.types = type_seeds(program, mesh)
     # A schedule depends only on the shardings and the boundary's forms: boundaries that
     # propagate alike (the search's candidates often do) share one.
     self._schedules: dict[tuple, Schedule] = {}
@@ -103,11 +109,23 @@ class Planner:
     return self.render(self.schedule(boundary))
 
   def schedule(self, boundary: Boundary) -> Scheduled:
+    """The cheaper of two schedules where the program was traced on a mesh of Explicit axes:
+    propagation from the annotations alone, each dim a type leaves None open (as spmd
+    propagates on any mesh), and every value kept as its type says (jax.jit's layout); at equal
+    step bytes, the first."""
+    free = self._scheduled(boundary, self.annotations)
+    if not self.types or all(free.propagation.shardings[v] == seed.sharding
+                             for v, seed in self.types.items()):
+      return free
+    typed = self._scheduled(boundary, {**self.annotations, **self.types})
+    return typed if self.step_bytes(typed) < self.step_bytes(free) else free
+
+  def _scheduled(self, boundary: Boundary, annotations: Mapping[Value, Seed]) -> Scheduled:
     """Open inputs, inputs returned unchanged (``_returned_whole``) and every output get
     shardings that divide their dims: JAX arrays cannot hold uneven shards (an uneven out_spec
     is returned replicated along that dim, with a warning)."""
     program, mesh = self.program, self.mesh
-    prop = self.propagator(_seeds(program, boundary, self.annotations))
+    prop = self.propagator(_seeds(program, boundary, annotations))
     wanted = tuple(_wanted(atom, spec, axes, prop, mesh) for atom, spec, axes in
                    zip(program.outputs, boundary.outputs, boundary.output_open_axes))
     outputs = tuple(_even(w, atom.aval.shape, mesh) for w, atom in zip(wanted, program.outputs))
@@ -230,6 +248,23 @@ def _closed(spec: TensorSharding, open_axes: Axes) -> frozenset[int]:
   """The dims of a boundary spec propagation may not add to: all of them, or none where it
   leaves ``open_axes`` to propagation (which keeps the spec's axes, major)."""
   return frozenset() if open_axes else frozenset(range(spec.rank))
+
+
+def type_seeds(program: Program, mesh: MeshShape) -> dict[Value, Seed]:
+  """Every value's sharding as its type says, closed, where the program was traced on a mesh of
+  Explicit axes only (``explicit_type``); the results of annotations keep their own requests,
+  and values of any other mesh (Manual axes inside a shard_map) none."""
+  seeds: dict[Value, Seed] = {}
+  for op in program.all_ops():
+    if op in program.annotations:
+      continue
+    for v in (*op.outputs, *(x for region in op.regions for x in region.inputs)):
+      spec = explicit_type(v.aval, frozenset(mesh))
+      if spec is not None:
+        sharding = TensorSharding.from_spec(spec, len(v.shape), mesh)
+        seeds[v] = Seed(sharding, frozenset(range(sharding.rank)),
+                        Origin("type", f"its type {spec}, as under jax.jit"))
+  return seeds
 
 
 def annotation_seeds(program: Program, mesh: MeshShape,

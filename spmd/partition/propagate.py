@@ -46,7 +46,8 @@ _YIELDING = (FactorKind.HALO, FactorKind.NEED_REPLICATION)
 
 @dataclass(frozen=True)
 class Origin:
-  """Why a value has its sharding: ``kind`` is input, annotation, output, propagated or default."""
+  """Why a value has its sharding: ``kind`` is input, annotation, type (its type on a mesh of
+  Explicit axes), output, propagated or default."""
 
   kind: str
   text: str = ""
