@@ -113,17 +113,17 @@ def _out_sharding(op: Op) -> Request | None:
   return spec, _typed_open_dims(spec, sharding.mesh, len(op.outputs[0].shape))
 
 
-def explicit_type(aval: Any, mesh_axes: frozenset[str]) -> P | None:
-  """The spec of a value's type where it was traced on a mesh of Explicit axes only, naming
-  ``mesh_axes`` (jax.jit's layout for it: a dim the type leaves None is whole); None for a
-  value on any other mesh (Auto or Manual axes), or typed unreduced or reduced."""
+def explicit_type(aval: Any, mesh_axes: frozenset[str]) -> NamedSharding | None:
+  """A value's type where it was traced on a mesh naming ``mesh_axes`` with Explicit axes and no
+  Manual ones (jax.jit's layout for it: a dim it leaves None is whole over the Explicit axes,
+  open to the Auto ones); None for a value on any other mesh, or typed unreduced or reduced."""
   sharding = getattr(aval, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if (mesh is None or set(mesh.axis_names) != mesh_axes
-      or any(t != AxisType.Explicit for t in mesh.axis_types)):
+  if (mesh is None or set(mesh.axis_names) != mesh_axes or not mesh.explicit_axes
+      or mesh.manual_axes):
     return None
   spec = sharding.spec
-  return None if spec.unreduced or spec.reduced else spec
+  return None if spec.unreduced or spec.reduced else sharding
 
 
 def _typed_open_dims(spec: P, mesh: Any, rank: int) -> frozenset[int]:

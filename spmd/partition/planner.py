@@ -109,13 +109,13 @@ class Planner:
     return self.render(self.schedule(boundary))
 
   def schedule(self, boundary: Boundary) -> Scheduled:
-    """The cheaper of two schedules where the program was traced on a mesh of Explicit axes:
-    propagation from the annotations alone, each dim a type leaves None open (as spmd
-    propagates on any mesh), and every value kept as its type says (jax.jit's layout); at equal
-    step bytes, the first."""
+    """The cheaper of two schedules where the program was traced on a mesh with Explicit
+    axes: propagation from the annotations alone, each dim a type leaves None open (as spmd
+    propagates on any mesh), and every value kept as its type says (jax.jit's layout: open
+    only to the Auto axes); at equal step bytes, the first. The second is planned only where
+    the first put some value otherwise than its type allows."""
     free = self._scheduled(boundary, self.annotations)
-    if not self.types or all(free.propagation.shardings[v] == seed.sharding
-                             for v, seed in self.types.items()):
+    if all(_fits(seed, free.propagation.shardings[v]) for v, seed in self.types.items()):
       return free
     typed = self._scheduled(boundary, {**self.annotations, **self.types})
     return typed if self.step_bytes(typed) < self.step_bytes(free) else free
@@ -251,20 +251,28 @@ def _closed(spec: TensorSharding, open_axes: Axes) -> frozenset[int]:
 
 
 def type_seeds(program: Program, mesh: MeshShape) -> dict[Value, Seed]:
-  """Every value's sharding as its type says, closed, where the program was traced on a mesh of
-  Explicit axes only (``explicit_type``); the results of annotations keep their own requests,
-  and values of any other mesh (Manual axes inside a shard_map) none."""
+  """Every value's sharding as its type says (``explicit_type``), closed but to the mesh's Auto
+  axes, which propagation may append; the results of annotations keep their own requests, and
+  values of any other mesh (Manual axes inside a shard_map) have none."""
   seeds: dict[Value, Seed] = {}
   for op in program.all_ops():
     if op in program.annotations:
       continue
     for v in (*op.outputs, *(x for region in op.regions for x in region.inputs)):
-      spec = explicit_type(v.aval, frozenset(mesh))
-      if spec is not None:
-        sharding = TensorSharding.from_spec(spec, len(v.shape), mesh)
+      typed = explicit_type(v.aval, frozenset(mesh))
+      if typed is not None:
+        sharding = TensorSharding.from_spec(typed.spec, len(v.shape), mesh)
         seeds[v] = Seed(sharding, frozenset(range(sharding.rank)),
-                        Origin("type", f"its type {spec}, as under jax.jit"))
+                        Origin("type", f"its type {typed.spec}, as under jax.jit"),
+                        frozenset(typed.mesh.auto_axes))
   return seeds
+
+
+def _fits(seed: Seed, sharding: TensorSharding) -> bool:
+  """Whether ``sharding`` is one propagation from ``seed`` could reach: its dims, each followed
+  by axes the seed leaves open."""
+  return all(got[:len(want)] == want and set(got[len(want):]) <= seed.open_axes
+             for want, got in zip(seed.sharding.dims, sharding.dims))
 
 
 def annotation_seeds(program: Program, mesh: MeshShape,

@@ -71,9 +71,15 @@ class Constraint:
 
 @dataclass(frozen=True)
 class Seed:
+  """A value's sharding before propagation. Propagation appends axes only to its dims outside
+  ``closed_dims``, and to closed ones only axes of ``open_axes`` (a type on a mesh mixing
+  Explicit and Auto axes names only the Explicit ones; jax.jit shards it over the Auto ones
+  after them as it propagates: Shardy's ``{"x", ?}``)."""
+
   sharding: TensorSharding
   closed_dims: frozenset[int]
   origin: Origin
+  open_axes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,7 @@ class Propagator:
     self.values = _all_values(program)
     self.kinds: dict[tuple, int] = {}
     self.outcomes: dict[tuple, _Outcome] = {}
-    self.open_kinds = [self.kind(i, {}) for i in range(len(self.constraints))]
+    self.open_kinds = [self.kind(i, {}, {}) for i in range(len(self.constraints))]
     # The constraints each level applies, forward then backward: pass-through rules first, then
     # every rule, then every rule again with broadcasts' operands open to them (_Engine.run)
     passing = [i for i, c in enumerate(self.constraints) if c.rule.pass_through]
@@ -267,13 +273,16 @@ class Propagator:
       sharding = self._shardings[dims] = TensorSharding(dims)
     return sharding
 
-  def kind(self, i: int, closed: Mapping[Value, frozenset[int]]) -> int:
+  def kind(self, i: int, closed: Mapping[Value, frozenset[int]],
+           open_axes: Mapping[Value, frozenset[str]]) -> int:
     """The id of what constraint ``i``'s outcome depends on besides its tensors' dims."""
-    key = (self.signatures[i], tuple(closed.get(v, _OPEN) for _, v, _, _ in self.parts[i]))
+    key = (self.signatures[i], tuple((closed.get(v, _OPEN), open_axes.get(v, _NONE))
+                                     for _, v, _, _ in self.parts[i]))
     return self.kinds.setdefault(key, len(self.kinds))
 
 
 _OPEN: frozenset[int] = frozenset()
+_NONE: frozenset[str] = frozenset()
 
 
 class _Engine:
@@ -281,11 +290,14 @@ class _Engine:
     self.mesh = propagator.mesh
     self.dims: dict[Value, list[Axes]] = {v: [()] * len(v.shape) for v in propagator.values}
     self.closed: dict[Value, frozenset[int]] = {}
+    self.open_axes: dict[Value, frozenset[str]] = {}  # axes its closed dims may still take
     self.origins: dict[Value, Origin] = {}
     self.conflicts: dict[tuple, Conflict] = {}
     for value, seed in seeds.items():
       self.dims[value] = list(seed.sharding.dims)
       self.closed[value] = seed.closed_dims
+      if seed.open_axes:
+        self.open_axes[value] = seed.open_axes
       self.origins[value] = seed.origin
     self.constraints, self.parts = propagator.constraints, propagator.parts
     self.largest, self.readers = propagator.largest, propagator.readers
@@ -293,7 +305,7 @@ class _Engine:
     self.kind = list(propagator.open_kinds)
     for v in self.closed:
       for i in self.readers.get(v, ()):
-        self.kind[i] = propagator.kind(i, self.closed)
+        self.kind[i] = propagator.kind(i, self.closed, self.open_axes)
     # A constraint reads only its tensors' dims: one none of whose tensors changed since its last
     # application would write nothing new, so it is skipped (the same fixed point, sooner).
     self.dirty = [True] * len(self.constraints)
@@ -364,8 +376,8 @@ class _Engine:
     writes: list[_Write] = []
     if any(m.axes or m.on_results for m in merged.values()):
       for part, (_, v, tf, _) in enumerate(parts):
-        self._write(part, dims[part], self.closed.get(v, frozenset()), tf, rule, merged, writes,
-                    result=parts[part][0] >= len(rule.operands))
+        self._write(part, dims[part], self.closed.get(v, _OPEN), self.open_axes.get(v, _NONE),
+                    tf, rule, merged, writes, result=parts[part][0] >= len(rule.operands))
     return _Outcome(deferred, tuple(conflicts), tuple(writes))
 
   def _merge(self, rule: OpShardingRule, candidates: dict[int, list[_Candidate]],
@@ -434,15 +446,16 @@ class _Engine:
       merged[c.factor] = _Merged(keep, on_results, c.best)
     return merged
 
-  def _write(self, part: int, dims: list[Axes], closed: frozenset[int], tf: tuple,
-             rule: OpShardingRule, merged: dict[int, _Merged],
-             writes: list[_Write], result: bool) -> None:
-    """Writes the merged factors into the open dims of part ``part``. A result's dim merged from
+  def _write(self, part: int, dims: list[Axes], closed: frozenset[int],
+             open_axes: frozenset[str], tf: tuple, rule: OpShardingRule,
+             merged: dict[int, _Merged], writes: list[_Write], result: bool) -> None:
+    """Writes the merged factors into the open dims of part ``part`` (into a closed one, only
+    axes of ``open_axes``, ahead of any other). A result's dim merged from
     factors takes, of a factor split unevenly, the major axes that split it evenly: the op
     reshards its operand to those (realigning uneven blocks) rather than gathering it whole. An
     operand's such dim takes none: it would be made in a form the op reshards anyway."""
     for d, factors in enumerate(tf):
-      if d in closed or not factors:
+      if not factors or (d in closed and not open_axes):
         continue
       new: list[str] = []
       source = None
@@ -463,6 +476,8 @@ class _Engine:
         continue
       used = {a for i, dim in enumerate(dims) if i != d for a in dim} | set(old)
       added = prefix_without(tuple(new[len(old):]), used)
+      if d in closed:
+        added = added[:next((k for k, a in enumerate(added) if a not in open_axes), len(added))]
       if not added:
         continue
       dims[d] = old + added
