@@ -46,7 +46,7 @@ _YIELDING = (FactorKind.HALO, FactorKind.NEED_REPLICATION)
 
 @dataclass(frozen=True)
 class Origin:
-  """Why a value has its sharding: ``kind`` is input, annotation, type (its type on a mesh of
+  """Why a value has its sharding: ``kind`` is input, annotation, type (its type on a mesh with
   Explicit axes), output, propagated or default."""
 
   kind: str

@@ -94,6 +94,8 @@ def render_plan(program: Program, prop: Propagation, sched: Schedule, boundary: 
     warnings.append(f"{op.primitive} at {op.source} (op {op.index}) has no sharding rule{why}: "
                     "it runs replicated, its operands gathered whole")
   for conflict in prop.conflicts:
+    if "type" in (conflict.kept_from.kind, conflict.dropped_from.kind):
+      continue  # a type is JAX's inference, the layout spmd weighs, not a user's request
     cost = sum(c.bytes for c in by_op.get(conflict.op.index, []))
     warnings.append(
         f"conflicting shardings at op {conflict.op.index} ({conflict.op.primitive}, "
