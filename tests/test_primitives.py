@@ -729,6 +729,32 @@ def test_batched_gather_scatter(mesh, sx, si):
   assert_partitioned_matches(fn, (randn(8, 16), idx), (sx, si), mesh)
 
 
+WHOLE_SPAN = [
+    # (mesh, spec of x [4, 16], spec of the starts [3])
+    ("x8", P(None, "x"), P()),
+    ("x8", P(None, "x"), P("x")),
+    ("a2b4", P("a", "b"), P()),
+    ("a2b4", P(None, ("b", "a")), P("a")),
+    ("a2b2c2", P("c", ("a", "b")), P("b")),
+]
+
+
+@pytest.mark.parametrize("mesh,sx,si", WHOLE_SPAN, ids=_ids(WHOLE_SPAN))
+def test_vmapped_slices_spanning_a_split_dim(mesh, sx, si):
+  """vmap of ``x[k]``, ``dynamic_slice`` and ``dynamic_update_slice`` over whole rows: a gather
+  (scatter) indexing the split column dim too, whose slice is the whole dim (start 0, clamped),
+  runs locally on each device's columns. Each device but the first masked its columns away as
+  rows it does not own (wrong values, nothing moved)."""
+  def fn(x, k):
+    rows = x[:3] + 100
+    return (jax.vmap(lambda j: x[j])(k), jax.vmap(lambda j: lax.dynamic_slice(x, (j, 3), (2, 16)))(k),
+            jax.vmap(lambda j: lax.dynamic_slice(x, (j + 1, 5), (1, 16)))(k),
+            jax.vmap(lambda j, r: lax.dynamic_update_slice(x, r[None], (j, 2)))(k, rows),
+            jax.vmap(lambda j: x.at[j].get(mode="fill", fill_value=-1))(k + 2))
+
+  assert_partitioned_matches(fn, (randn(4, 16), np.array([3, 0, 1], np.int32)), (sx, si), mesh)
+
+
 def test_gather_int_and_bool_operands():
   def fn(x, b, idx):
     return x[idx], b[idx], jnp.take(b, idx, axis=1)

@@ -405,17 +405,19 @@ def _block(x: jax.Array, s: TensorSharding, mesh: MeshShape) -> jax.Array:
 
 def gather(local: Local, args: list) -> list:
   """Offset and batch dims run locally; an indexed operand dim that is sharded (a reduction
-  factor) gathers only the rows this device owns, zero elsewhere: the caller sums."""
+  factor) gathers only the rows this device owns, zero elsewhere: the caller sums. An indexed
+  dim whose slice is the whole dim (its start is 0, clamped) runs locally as an offset dim."""
   p, op = local.op.params, local.op
   dn, mode = p["dimension_numbers"], p["mode"]
   operand, indices = args
   read = local.reads[0]
   local_operand_shape = local.shape(op.inputs[0], read)
   sizes = tuple(min(s, n) for s, n in zip(p["slice_sizes"], local_operand_shape))
-  owned = [(j, d) for j, d in enumerate(dn.start_index_map) if read.dims[d]]
+  global_shape = op.inputs[0].aval.shape
+  owned = [(j, d) for j, d in enumerate(dn.start_index_map)
+           if read.dims[d] and p["slice_sizes"][d] < global_shape[d]]
   if not owned:
     return bind(op, args, slice_sizes=sizes)
-  global_shape = op.inputs[0].aval.shape
   starts = [indices[..., j] for j in range(len(dn.start_index_map))]
   oob = jnp.zeros(indices.shape[:-1], bool)
   for j, d in enumerate(dn.start_index_map):
@@ -464,11 +466,12 @@ def scatter(local: Local, args: list) -> list:
   read = local.reads[0]
   global_shape = op.inputs[0].aval.shape
   local_shape = local.shape(op.inputs[0], read)
-  owned = [(j, d) for j, d in enumerate(dn.scatter_dims_to_operand_dims) if read.dims[d]]
+  windowed = [d for d in range(len(global_shape))
+              if d not in (*dn.inserted_window_dims, *dn.operand_batching_dims)]
+  window = {d: op.inputs[2].aval.shape[w] for d, w in zip(windowed, dn.update_window_dims)}
+  owned = [(j, d) for j, d in enumerate(dn.scatter_dims_to_operand_dims)
+           if read.dims[d] and window.get(d, 1) < global_shape[d]]
   if owned:
-    windowed = [d for d in range(len(global_shape))
-                if d not in (*dn.inserted_window_dims, *dn.operand_batching_dims)]
-    window = {d: op.inputs[2].aval.shape[w] for d, w in zip(windowed, dn.update_window_dims)}
     starts = [indices[..., j] for j in range(indices.shape[-1])]
     for j, d in enumerate(dn.scatter_dims_to_operand_dims):
       size = window.get(d, 1)  # an update window's rows, clamped into the operand
