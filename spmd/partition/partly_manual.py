@@ -13,6 +13,7 @@ axis, the manual ones among them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,9 +46,11 @@ def region_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] |
   ins = [_dim_axes(s, len(x.aval.shape)) for s, x in zip(params["in_specs"], inputs)]
   outs = [_dim_axes(s, len(v.aval.shape)) for s, v in zip(params["out_specs"], jaxpr.outvars)]
 
+  rewrites = {**_REWRITES, "ppermute": functools.partial(_ppermute, mesh.axis_names, sizes)}
+
   def body(*args: Any) -> list:
     with check_vma(False):
-      return unchecked.evaluate(params["jaxpr"], args, _REWRITES)
+      return unchecked.evaluate(params["jaxpr"], args, rewrites)
 
   # Unchecked (check_vma=False), a result its out_specs leave whole along a manual axis may still
   # vary over it: JAX returns the first block's, so it is mapped and its first block taken.
@@ -168,18 +171,62 @@ def _blocks(indices: Sequence[int], k: int, dim: int, rank: int) -> np.ndarray:
 batching.fancy_primitive_batchers[block_permute_p] = _permute_blocks
 
 
-def _ppermute(params: Mapping[str, Any], args: list, _: Any) -> list:
-  """A ppermute over one manual axis as ``block_permute``; over several, JAX's own batching (a
-  gather of the blocks)."""
+def _ppermute(mesh_axes: Sequence[str], sizes: Mapping[str, int], params: Mapping[str, Any],
+              args: list, _: Any) -> list:
+  """A ppermute over one manual axis as ``block_permute``. Over several (its devices numbered in
+  mesh order, as JAX lowers it), the pairs grouped by how far they move along each axis: each
+  group's blocks rolled along every axis (a ``block_permute`` rotating it) and kept at the
+  group's destinations; a destination no pair names gets zeros."""
   (x,), axes, perm = args, tuple(params["axis_name"]), tuple(map(tuple, params["perm"]))
-  if len(axes) > 1:
-    return [lax.ppermute(x, axes, perm)]
-  return [block_permute_p.bind(x, axis_name=axes, perm=perm)]
+  if len(axes) == 1:
+    return [block_permute_p.bind(x, axis_name=axes, perm=perm)]
+  axes = tuple(a for a in mesh_axes if a in axes)
+  shape = [sizes[a] for a in axes]
+  here = sum(lax.axis_index(a) * math.prod(shape[k + 1:]) for k, a in enumerate(axes))
+  moves: dict[tuple[int, ...], list[int]] = {}
+  for src, dst in perm:
+    at, to = np.unravel_index(src, shape), np.unravel_index(dst, shape)
+    moves.setdefault(tuple(int(t - a) % n for a, t, n in zip(at, to, shape)), []).append(dst)
+  out = jnp.zeros_like(x)
+  for shifts, destinations in moves.items():
+    moved = x
+    for a, shift, n in zip(axes, shifts, shape):
+      if shift:
+        rotation = tuple((i, (i + shift) % n) for i in range(n))
+        moved = block_permute_p.bind(moved, axis_name=(a,), perm=rotation)
+    out = jnp.where(jnp.isin(here, np.array(destinations)), moved, out)
+  return [out]
 
 
-# The body evaluated unchecked (vmap batches only unchecked collectives), its ppermutes moving
-# the stacked blocks.
-_REWRITES: unchecked.Rewrites = {**unchecked.REWRITES, "ppermute": _ppermute}
+def _all_gather(params: Mapping[str, Any], args: list, _: Any) -> list:
+  """An all_gather over several manual axes as one per axis, the minor one (as named) first,
+  each tiled (JAX's batching of one over several axes refuses the mapped one)."""
+  (x,), axes, dim = args, _names(params["axis_name"]), params["all_gather_dimension"]
+  y = x if params["tiled"] else jnp.expand_dims(x, dim)
+  for a in reversed(axes):
+    y = lax.all_gather(y, a, axis=dim, tiled=True)
+  return [y]
+
+
+def _reduce_scatter(params: Mapping[str, Any], args: list, _: Any) -> list:
+  """A psum_scatter over several manual axes as one per axis, the major one (as named) first,
+  each tiled."""
+  (x,), axes, dim = args, _names(params["axis_name"]), params["scatter_dimension"]
+  for a in axes:
+    x = lax.psum_scatter(x, a, scatter_dimension=dim, tiled=True)
+  return [x if params["tiled"] else jnp.squeeze(x, dim)]
+
+
+def _names(axis_name: Any) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+# The body evaluated unchecked (vmap batches only unchecked collectives), its collectives over
+# several manual axes made one per axis (its ppermutes, which move the stacked blocks, are
+# bound per region: they number devices by its mesh).
+_REWRITES: unchecked.Rewrites = {**unchecked.REWRITES, "all_gather": _all_gather,
+                                 "all_gather_invariant": _all_gather,
+                                 "reduce_scatter": _reduce_scatter}
 
 
 def positional_reduction(reduce: Callable[..., Any]) -> Callable:

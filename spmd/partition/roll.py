@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jax import lax
 from jax.extend import core as jcore
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 if TYPE_CHECKING:
   from spmd.partition.ir import Op, Value
@@ -27,10 +27,18 @@ def _roll(x: Any, *, shift: int, axis: int) -> Any:
                           lax.slice_in_dim(x, 0, n - shift, axis=axis)], axis)
 
 
+def _roll_batched(args: Any, dims: Any, *, shift: int, axis: int) -> tuple[Any, Any]:
+  """The roll under vmap: along its own axis, past the mapped one (a partly manual region's
+  blocks rolled along one manual axis, mapped over another)."""
+  (x,), (d,) = args, dims
+  return roll_p.bind(x, shift=shift, axis=axis + (d is not None and d <= axis)), d
+
+
 roll_p = jcore.Primitive("roll")
 roll_p.def_impl(_roll)
 roll_p.def_abstract_eval(lambda x, *, shift, axis: x)
 mlir.register_lowering(roll_p, mlir.lower_fun(_roll, multiple_results=False))
+batching.primitive_batchers[roll_p] = _roll_batched
 
 
 def _roll_dynamic(x: Any, start: Any, *, axis: int) -> Any:
