@@ -587,6 +587,38 @@ def op_concatenate(b: _Builder) -> str | None:
                 sig=("concatenate", *(b.root(p) for p in parts)))
 
 
+INDEXING = {
+    "take": "jnp.take({x}, {k}, axis={axis})",
+    "vmap_index": "jax.vmap(lambda j: jax.lax.dynamic_index_in_dim({x}, j, {axis}, False))({k})",
+    "vmap_slice": "jax.vmap(lambda j: jax.lax.dynamic_slice_in_dim({x}, j, {size}, {axis}))({k})",
+}
+
+
+def op_index(b: _Builder) -> str | None:
+  """Rows along one dim at literal indices: ``jnp.take``, or ``jax.vmap`` of an index or a
+  dynamic slice by them (a gather indexing every dim, the others by slices of the whole dim)."""
+  x = b.pick()
+  sx, draw = b.shape(x), b.draw
+  if not sx:
+    return None
+  kind, axis = draw(st.sampled_from(sorted(INDEXING))), draw(st.integers(0, len(sx) - 1))
+  size = draw(st.sampled_from([d for d in DIMS if d <= sx[axis]])) if kind == "vmap_slice" else 1
+  count = draw(st.sampled_from(DIMS[:4]))
+  rows = tuple(draw(st.lists(st.integers(0, sx[axis] - size), min_size=count, max_size=count)))
+  if rows == tuple(range(0, sx[axis], size)):  # every row once, in order: XLA makes it a view
+    return None
+  rest = sx[:axis] + sx[axis + 1:]
+  out = {"take": sx[:axis] + (count,) + sx[axis + 1:], "vmap_index": (count, *rest),
+         "vmap_slice": (count, *sx[:axis], size, *sx[axis + 1:])}[kind]
+  if not _fits(out):
+    return None
+  expr = INDEXING[kind].format(x=x, k=f"jnp.array({list(rows)}, jnp.int32)", axis=axis, size=size)
+  rd = b.root_dims(x)
+  where = ("root dim", rd[axis]) if rd is not None else (axis,)
+  return b.emit(expr, out, b.dtype_of(x), sig=(kind, b.root(x), *where, rows, size),
+                any_shape=rd is not None)
+
+
 def op_annotate(b: _Builder) -> str | None:
   x = b.pick()
   spec = draw_spec(b.draw, b.shape(x), b.mesh, unconstrained=True)
@@ -597,7 +629,7 @@ def op_annotate(b: _Builder) -> str | None:
 OPS: dict[str, Callable[[_Builder], str | None]] = {
     "unary": op_unary, "binary": op_binary, "broadcast": op_broadcast, "reshape": op_reshape,
     "transpose": op_transpose, "dot": op_dot, "reduce": op_reduce, "slice": op_slice,
-    "concatenate": op_concatenate, "annotate": op_annotate, "along": op_along,
+    "concatenate": op_concatenate, "annotate": op_annotate, "along": op_along, "index": op_index,
 }
 
 
