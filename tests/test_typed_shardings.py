@@ -39,6 +39,24 @@ def _committed(mesh: jax.sharding.Mesh, args: tuple, specs: tuple) -> tuple:
   return tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
 
 
+def _steps_like_jit(mesh: jax.sharding.Mesh, step: Callable, state: object, batches: list,
+                    tol: float = 1e-5) -> spmd.Plan:
+  """``step(state, *batch) -> (state, aux)`` partitioned and jitted under ``jax.set_mesh``, each
+  one's state fed back: values, shardings and types as jax.jit's; the first step's plan, which
+  moves no more than jax.jit's program."""
+  with jax.set_mesh(mesh):
+    jitted, partitioned = jax.jit(step), spmd.partition(step)
+    ours = theirs = state
+    for batch in batches:
+      ours, our_aux = partitioned(ours, *batch)
+      theirs, their_aux = jitted(theirs, *batch)
+      assert_trees_match((ours, our_aux), (theirs, their_aux), tol, tol)
+      assert_like_jit((ours, our_aux), (theirs, their_aux))
+    plan = partitioned.plan(state, *batches[0])
+    assert plan.total_bytes <= _compiled_bytes(jitted, state, *batches[0]), plan.explain()
+  return plan
+
+
 # --- a mesh of Explicit and Auto axes: outputs keep their Auto axes ------------------------------
 
 MIXED_FUNCTIONS = {
@@ -160,16 +178,7 @@ def test_megatron_sgd_on_a_mixed_mesh_keeps_params_sharded():
             for a, b, specs in zip(dims[:-1], dims[1:], pspecs)]
   batches = [_committed(mesh, (randn(8, 16, seed=2 * t), randn(8, 8, seed=2 * t + 1)),
                         (P("dp"), P("dp"))) for t in range(3)]
-  with jax.set_mesh(mesh):
-    jitted, partitioned = jax.jit(_mlp_step), spmd.partition(_mlp_step)
-    ours = theirs = params
-    for x, y in batches:
-      ours, our_loss = partitioned(ours, x, y)
-      theirs, their_loss = jitted(theirs, x, y)
-      assert_trees_match((ours, our_loss), (theirs, their_loss), 1e-5, 1e-5)
-      assert_like_jit((ours, our_loss), (theirs, their_loss))
-    plan = partitioned.plan(params, *batches[0])
-    assert plan.total_bytes <= _compiled_bytes(jitted, params, *batches[0]), plan.explain()
+  _steps_like_jit(mesh, _mlp_step, params, batches)
 
 
 # --- a mesh with Explicit axes: propagation or the types' own layout, whichever moves less ------
@@ -268,15 +277,7 @@ def test_linen_adamw_steps_on_an_explicit_mesh_move_what_jit_moves(shape, types)
 
   with jax.set_mesh(mesh):
     state = (params, jax.jit(tx.init)(params))
-    jitted, partitioned = jax.jit(step), spmd.partition(step)
-    ours = theirs = state
-    for x, y in batches:
-      ours, our_loss = partitioned(ours, x, y)
-      theirs, their_loss = jitted(theirs, x, y)
-      assert_trees_match((ours, our_loss), (theirs, their_loss), 1e-5, 1e-5)
-      assert_like_jit((ours, our_loss), (theirs, their_loss))
-    plan = partitioned.plan(state, *batches[0])
-    assert plan.total_bytes <= _compiled_bytes(jitted, state, *batches[0]), plan.explain()
+  _steps_like_jit(mesh, step, state, batches)
 
 
 def _explicit_only(spec: P) -> P:
@@ -336,17 +337,7 @@ def test_fsdp_transformer_sgd_on_a_2x2x2_mesh_moves_no_more_than_jit(types):
     loss, g = jax.value_and_grad(_fsdp_block_loss)(p, x, y)
     return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g), loss
 
-  with jax.set_mesh(mesh):
-    jitted, partitioned = jax.jit(step), spmd.partition(step)
-    ours = theirs = params
-    for x, y in batches:
-      ours, our_loss = partitioned(ours, x, y)
-      theirs, their_loss = jitted(theirs, x, y)
-      assert_trees_match((ours, our_loss), (theirs, their_loss), 2e-5, 2e-5)
-      assert_like_jit((ours, our_loss), (theirs, their_loss))
-    plan = partitioned.plan(params, *batches[0])
-    assert plan.total_bytes <= _compiled_bytes(jitted, params, *batches[0]), plan.explain()
-    assert not plan.warnings
+  assert not _steps_like_jit(mesh, step, params, batches, tol=2e-5).warnings
 
 
 def test_gradient_seed_under_an_explicit_mesh_is_made_anywhere():
