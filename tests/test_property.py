@@ -599,8 +599,8 @@ def op_index(b: _Builder) -> str | None:
   dynamic slice by them (a gather indexing every dim, the others by slices of the whole dim)."""
   x = b.pick()
   sx, draw = b.shape(x), b.draw
-  if not sx:
-    return None
+  if not sx or b.made_by.get(b.root(x)) == "concatenate":
+    return None  # XLA makes rows at constant indices slices, then slices of the pieces (op_slice)
   kind, axis = draw(st.sampled_from(sorted(INDEXING))), draw(st.integers(0, len(sx) - 1))
   size = draw(st.sampled_from([d for d in DIMS if d <= sx[axis]])) if kind == "vmap_slice" else 1
   count = draw(st.sampled_from(DIMS[:4]))
