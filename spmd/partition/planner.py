@@ -70,11 +70,12 @@ def made_anywhere(program: Program) -> dict[Value, Any]:
   annotated = {op.outputs[0]: op.inputs[0] for op in program.all_ops() if annotates(op)}
   made: dict[Value, Any] = {}
   for op in program.all_ops():
-    operand = op.inputs[0] if op.inputs else None
-    while isinstance(operand, Value) and operand in annotated:
-      operand = annotated[operand]
-    if op.primitive == "broadcast_in_dim" and isinstance(operand, Literal):
-      made[op.outputs[0]] = operand.val
+    if op.primitive == "broadcast_in_dim":
+      operand = op.inputs[0]
+      while isinstance(operand, Value) and operand in annotated:
+        operand = annotated[operand]
+      if isinstance(operand, Literal):
+        made[op.outputs[0]] = operand.val
     elif op.primitive == "iota":
       made[op.outputs[0]] = IotaFill(op.params["dimension"])
   return made
@@ -256,7 +257,7 @@ def type_seeds(program: Program, mesh: MeshShape) -> dict[Value, Seed]:
   values of any other mesh (Manual axes inside a shard_map) have none."""
   seeds: dict[Value, Seed] = {}
   for op in program.all_ops():
-    if op in program.annotations:
+    if annotates(op):
       continue
     for v in (*op.outputs, *(x for region in op.regions for x in region.inputs)):
       typed = explicit_type(v.aval, frozenset(mesh))
