@@ -228,27 +228,22 @@ def _even(s: TensorSharding, shape: tuple[int, ...], mesh: MeshShape) -> TensorS
 
 def _seeds(program: Program, boundary: Boundary,
            annotations: Mapping[Value, Seed]) -> dict[Value, Seed]:
-  """The boundary's specs, the annotations' (``annotation_seeds``), then open outputs'."""
+  """The boundary's specs, the annotations' (``annotation_seeds``), then open outputs'. A spec
+  is closed but to its ``open_axes``, which propagation may append to its dims."""
   seeds: dict[Value, Seed] = {}
   for k, (v, s, arrival) in enumerate(zip(program.inputs, boundary.inputs, boundary.arrivals)):
     if s is not None:
-      seeds[v] = Seed(s, _closed(s, boundary.input_open_axes[k]),
-                      Origin("input", boundary.input_text(k)))
+      seeds[v] = Seed(s, frozenset(range(s.rank)), Origin("input", boundary.input_text(k)),
+                      frozenset(boundary.input_open_axes[k]))
     elif arrival is not None:  # an open leaf of a committed argument: its sharding, as jax.jit
       seeds[v] = Seed(arrival, frozenset(range(arrival.rank)),
                       Origin("input", f"{boundary.input_text(k)}, as committed"))
   seeds.update(annotations)
   for k, (atom, s) in enumerate(zip(program.outputs, boundary.outputs)):
     if s is not None and isinstance(atom, Value) and atom not in seeds:
-      seeds[atom] = Seed(s, _closed(s, boundary.output_open_axes[k]),
-                         Origin("output", f"out_specs[{k}]"))
+      seeds[atom] = Seed(s, frozenset(range(s.rank)), Origin("output", f"out_specs[{k}]"),
+                         frozenset(boundary.output_open_axes[k]))
   return seeds
-
-
-def _closed(spec: TensorSharding, open_axes: Axes) -> frozenset[int]:
-  """The dims of a boundary spec propagation may not add to: all of them, or none where it
-  leaves ``open_axes`` to propagation (which keeps the spec's axes, major)."""
-  return frozenset() if open_axes else frozenset(range(spec.rank))
 
 
 def type_seeds(program: Program, mesh: MeshShape) -> dict[Value, Seed]:
