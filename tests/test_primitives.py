@@ -1061,6 +1061,22 @@ def test_random_sharded_keys(mesh, spec):
   assert_partitioned_matches(fn, (keys, randn(8, 16)), (spec, spec), mesh, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+@pytest.mark.parametrize("mesh,spec", [("a2b4", P("a")), ("x8", P("x"))], ids=["a2b4", "x8"])
+def test_random_key_arrays_of_every_impl(impl, mesh, spec):
+  """rbg draws bits, and unsafe_rbg does everything, with rng_bit_generator, which over a key
+  array draws the whole batch from its first key: a device cannot draw its keys' share alone."""
+  def fn(keys, a):
+    return (jax.vmap(lambda k: jax.random.normal(k, (4,)))(keys), jax.vmap(jax.random.bits)(keys),
+            jax.random.key_data(jax.vmap(jax.random.split)(keys)),
+            jax.random.key_data(jax.vmap(jax.random.fold_in)(keys, jnp.arange(8))),
+            jax.vmap(jax.random.gamma)(keys, a), jax.random.gamma(keys[0], a))
+
+  keys = jax.random.split(jax.random.key(0, impl=impl), 8)
+  alpha = np.arange(1, 33, dtype=np.float32).reshape(8, 4)
+  assert_partitioned_matches(fn, (keys, alpha), (spec, spec), mesh)
+
+
 # --- identities, unstack, linear algebra, FFT, generic reduce -------------------------------------
 
 def _moves(plan):

@@ -28,7 +28,7 @@ from spmd.partition.rules import (control, conv, dot, elementwise, indexing, lin
 ELEMENTWISE_UNARY = """sign floor ceil round is_finite exp exp2 log log1p log2 expm1 tanh logistic
 sin cos tan asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs not erf erfc erf_inv
 lgamma digamma bessel_i0e bessel_i1e integer_pow square one_minus_square reduce_precision
-population_count clz stop_gradient zeros_like random_seed random_fold_in random_clone
+population_count clz stop_gradient zeros_like random_seed random_clone
 layout_constraint sinpi cospi tanpi asinpi acospi atanpi exp2m1 log2p1""".split()
 ELEMENTWISE_NARY = """pow max min nextafter atan2 and or xor eq ne lt le gt ge eq_to le_to lt_to
 rem shift_left shift_right_logical shift_right_arithmetic complex igamma igammac igamma_grad_a
@@ -284,6 +284,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       # random numbers
       (("random_bits",), PrimitiveInfo(random.random_bits, local=local.random_bits)),
       (("random_split",), PrimitiveInfo(random.random_split)),
+      (("random_fold_in",), PrimitiveInfo(random.fold_in)),
       (("random_gamma",), PrimitiveInfo(random.gamma, local=local.random_gamma) if gamma_one()
        else PrimitiveInfo(reason="this JAX has no _gamma_one, which a device needs to draw its "
                                  "block's variates alone")),

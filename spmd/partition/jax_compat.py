@@ -124,6 +124,12 @@ def under_jit() -> bool:
   return src_core.unsafe_am_i_under_a_jit()
 
 
+def key_impl(aval: Any) -> Any:
+  """The PRNG implementation (a ``jax.extend.random`` PRNGImpl) of a key array's aval;
+  ``jax.random.key_impl`` takes arrays only and gives the name."""
+  return aval.dtype._impl
+
+
 @functools.cache
 def gamma_one() -> Callable | None:
   """JAX's draw of one gamma variate from one key (``_gamma_one(key, alpha, log_space)``), which

@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.random import threefry2x32_p
+from jax.extend.random import threefry2x32_p, threefry_prng_impl
 
 from spmd.partition.devices import shard_index
 from spmd.partition.halo import cut, mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geometry, joint
 from spmd.partition.ir import Op, Value
-from spmd.partition.jax_compat import gamma_one
+from spmd.partition.jax_compat import gamma_one, key_impl
 from spmd.partition.primitives import bind, describe
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
@@ -349,8 +349,7 @@ def random_bits(local: Local, args: list) -> list:
   if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
     return bind(local.op, args)
   global_shape = tuple(p["shape"])
-  impl = jax.random.key_impl(key)
-  if (not local.writes[0].axes or "threefry" not in str(impl)
+  if (not local.writes[0].axes or key_impl(local.op.inputs[0].aval) is not threefry_prng_impl
       or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
     return _whole_then_slice(local, args)
   counts = _flat_positions(local, 0)
@@ -368,10 +367,16 @@ def random_gamma(local: Local, args: list) -> list:
   lead, count = key.ndim, math.prod(local.op.outputs[0].shape[key.ndim:])
   keys = jax.vmap(lambda k: jax.random.key_data(jax.random.split(k, count)))(key.reshape(-1))
   positions = jnp.minimum(_flat_positions(local, lead), count - 1)  # padding reads the last
-  keys = jnp.take_along_axis(keys, positions.reshape(keys.shape[0], -1, 1), axis=1)
-  keys = jax.random.wrap_key_data(keys.reshape(-1, 2), impl=jax.random.key_impl(key))
+  data_shape = keys.shape[2:]  # one key's data
+  keys = jnp.take_along_axis(
+      keys, positions.reshape(keys.shape[0], -1, *(1 for _ in data_shape)), axis=1)
+  keys = jax.random.wrap_key_data(keys.reshape(-1, *data_shape), impl=jax.random.key_impl(key))
   draw = functools.partial(gamma_one(), log_space=local.op.params["log_space"])
-  return [jax.vmap(draw)(keys, alpha.reshape(-1)).reshape(alpha.shape)]
+  if key_impl(local.op.inputs[0].aval) is threefry_prng_impl:
+    samples = jax.vmap(draw)(keys, alpha.reshape(-1))
+  else:  # mapped one key at a time, as JAX does: others' batched bits come from one key
+    samples = jax.lax.map(lambda ka: draw(*ka), (keys, alpha.reshape(-1)))
+  return [samples.reshape(alpha.shape)]
 
 
 def _flat_positions(local: Local, first: int) -> jax.Array:

@@ -1,9 +1,18 @@
-"""jax.random under threefry: key arrays map dim by dim. Bits drawn from one key are new factors
-any consumer may shard (threefry bits depend only on the global position, so each device computes
-its block exactly); bits per key of a key array, and split keys, are computed whole per key."""
+"""jax.random: key arrays map dim by dim. Bits drawn from one key are new factors any consumer
+may shard (threefry bits depend only on the global position, so each device computes its block
+exactly; other generators' are drawn whole and sliced, local.random_bits); bits per key of a key
+array, and split keys, are computed whole per key.
+
+Only where each key's results depend on that key alone (``_per_key``): rng_bit_generator, with
+which rbg draws bits and unsafe_rbg does everything, draws a whole key array's batch from its
+first key (JAX's batching rule), so there the op runs on the whole key array."""
 from __future__ import annotations
 
+from jax.extend.random import rbg_prng_impl, threefry_prng_impl
+
 from spmd.partition.ir import Op
+from spmd.partition.jax_compat import key_impl
+from spmd.partition.rules.elementwise import elementwise
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
 WHOLE = FactorKind.NEED_REPLICATION
@@ -17,19 +26,42 @@ def random_split(op: Op) -> OpShardingRule:
   return _generate(op, WHOLE)
 
 
+def fold_in(op: Op) -> OpShardingRule:
+  return elementwise(op) if _per_key(op) else _whole(op)
+
+
 def gamma(op: Op) -> OpShardingRule:
   """Per element of alpha, keyed by its key's dims (alpha's leading ones) and its position in
   the rest (local.random_gamma)."""
+  if not _per_key(op):
+    return _whole(op)
   b = RuleBuilder()
   dims = b.factors(op.outputs[0].shape)
   return b.build([dims[:op.inputs[0].aval.ndim], dims], [dims])
 
 
+def _per_key(op: Op) -> bool:
+  """Whether each key's results depend on that key alone (and the global position): so under
+  threefry, and rbg's split and fold_in (threefry on its halves), but not where rbg draws bits
+  or unsafe_rbg does anything (rng_bit_generator)."""
+  impl = key_impl(op.inputs[0].aval)
+  return impl is threefry_prng_impl or (impl is rbg_prng_impl and op.primitive != "random_bits")
+
+
 def _generate(op: Op, per_key: FactorKind) -> OpShardingRule:
   keys, out = op.inputs[0].aval.shape, op.outputs[0].shape
+  if keys and not _per_key(op):
+    return _whole(op)
   b = RuleBuilder()
   key_dims = b.factors(keys)
   return b.build([key_dims], [key_dims + b.factors(out[len(keys):], per_key)])
+
+
+def _whole(op: Op) -> OpShardingRule:
+  """Every operand and result whole."""
+  b = RuleBuilder()
+  return b.build([b.factors(x.aval.shape, WHOLE) for x in op.inputs],
+                 [b.factors(v.shape, WHOLE) for v in op.outputs])
 
 
 def wrap(op: Op) -> OpShardingRule:
