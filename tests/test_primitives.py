@@ -1077,6 +1077,43 @@ def test_random_key_arrays_of_every_impl(impl, mesh, spec):
   assert_partitioned_matches(fn, (keys, alpha), (spec, spec), mesh)
 
 
+KEY_RESHARDS = [("a2b4", P("a", "b"), None), ("a2b4", P("b", "a"), P()),
+                ("a2b2c2", P(("a", "b"), "c"), P("c")), ("x8", P(None, "x"), P("x"))]
+
+
+@pytest.mark.parametrize("mesh,spec,out", KEY_RESHARDS, ids=_ids(KEY_RESHARDS))
+def test_key_arrays_through_collectives(mesh, spec, out):
+  """Key arrays are gathered (untiled, or summed into zeros where uneven), exchanged in halos
+  and rotated like any array: JAX cannot add, pad or fill keys, so the partitioner's own
+  collectives run on their data. (One op a function: XLA merges a gather of keys with one of
+  their data, which the plan lists apart.)"""
+  data = jax.random.key_data
+  ops = [data, lambda k: data(k.T), lambda k: data(k.reshape(-1)),
+         lambda k: data(jnp.concatenate([k, k[:3]])), lambda k: data(jnp.roll(k, 2, axis=0)),
+         jax.vmap(jax.vmap(lambda k: jax.random.uniform(k)))]
+  for shape in [(16, 4), (13, 3), (16, 2)]:  # even, uneven, fewer rows than shards
+    keys = jax.random.split(jax.random.key(1), shape)
+    for fn in ops:
+      assert_partitioned_matches(fn, (keys,), (spec,), mesh, out_specs=out, rtol=0, atol=0)
+
+
+ZERO_SIZE = [("a2b4", (0, 8), P("a"), P("a")), ("a2b4", (0,), P(), P("b")),
+             ("a2b4", (8, 0), P(None, "b"), P("b")), ("x8", (0, 8), P("x"), P(None, "x")),
+             ("a2b2c2", (4, 0, 6), P("a", "b", "c"), P())]
+
+
+@pytest.mark.parametrize("mesh,shape,spec,out", ZERO_SIZE, ids=_ids(ZERO_SIZE))
+def test_arrays_with_no_elements(mesh, shape, spec, out):
+  """A value with no elements is made anew in any form: nothing moves."""
+  def fn(x):
+    y = jnp.swapaxes(x, 0, -1) if x.ndim > 1 else x
+    return x + 1, y * 2, x.sum(0), x.sum(), jnp.tanh(x)
+
+  x = np.zeros(shape, np.float32)
+  plan = assert_partitioned_matches(fn, (x,), (spec,), mesh, out_specs=(out, None, None, None, out))
+  assert not plan.collectives
+
+
 # --- identities, unstack, linear algebra, FFT, generic reduce -------------------------------------
 
 def _moves(plan):

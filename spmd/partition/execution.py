@@ -96,9 +96,9 @@ class ExecutionPlanner:
               ) -> tuple[ReshardStep, ...]:
     """The steps that make ``v`` available as ``dst`` from ``src`` (reshard.py), planned once;
     a value of ``splats`` (a broadcast of a literal, an iota) is made anew in any form without
-    partial sums."""
-    if v in self.splats and not src.partial and not dst.partial:
-      return (Splat(axes=(), before=src, after=dst, fill=self.splats[v], shape=v.shape,
+    partial sums, and one with no elements in any form."""
+    if (v in self.splats and not src.partial and not dst.partial) or not math.prod(v.shape):
+      return (Splat(axes=(), before=src, after=dst, fill=self.splats.get(v, 0), shape=v.shape,
                     itemsize=v.dtype.itemsize, mesh=self.mesh),)
     key = (src, dst, v.shape, self.wire(v.dtype))
     steps = self._reshards.get(key)
@@ -111,8 +111,10 @@ class ExecutionPlanner:
 
   def sub_blocks(self, v: Value, src: TensorSharding, dst: TensorSharding
                  ) -> tuple[ReshardStep, ...] | None:
-    """``reshard.sub_blocks`` for ``v`` (None where it does not apply), against the route
-    ``reshard`` plans."""
+    """``reshard.sub_blocks`` for ``v`` (None where it does not apply, as to a value with no
+    elements, made anew), against the route ``reshard`` plans."""
+    if not math.prod(v.shape):
+      return None
     return sub_blocks(src, dst, v.shape, self.wire(v.dtype), self.mesh,
                       self.reshard(v, src, dst))
 

@@ -17,6 +17,7 @@ from jax import lax
 
 from spmd.partition.devices import permute
 from spmd.partition.halo_geometry import Halo, Hop, Mirror, Rotation, halo_piece, hops
+from spmd.partition.key_arrays import over_key_data
 from spmd.partition.sharding import MeshShape
 
 
@@ -34,6 +35,7 @@ def mirror(x: jax.Array, m: Mirror, mesh: MeshShape, received: dict, prefix: tup
   return _receive(x, hop, mesh, received, prefix)
 
 
+@over_key_data
 def rotate(x: jax.Array, r: Rotation, shard: Any, mesh: MeshShape, received: dict,
            prefix: tuple, pad_value: Any = 0) -> jax.Array:
   """This shard's rows of the rolled dim: the pieces of the shards they rotate from (each sender
@@ -100,6 +102,7 @@ def cut(buf: jax.Array, halo: Halo, shard: Any, pad_value: Any) -> jax.Array:
   return lax.dynamic_slice_in_dim(buf, halo.start(shard), halo.length, halo.dim)
 
 
+@over_key_data
 def span(x: jax.Array, halo: Halo | Rotation, shard: Any, pad_value: Any, mesh: MeshShape,
          received: dict, prefix: tuple) -> jax.Array:
   """The padded-dilated positions this shard's output block reads along the halo dim (a

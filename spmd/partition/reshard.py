@@ -46,6 +46,7 @@ import numpy as np
 from jax import lax
 
 from spmd.partition.devices import permute, shard_index
+from spmd.partition.key_arrays import over_key_data
 from spmd.partition.rounds import into_rounds, rounds_needed
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding, axes_size
 
@@ -261,7 +262,7 @@ class GatherDims(ReshardStep):
     return src, [n * axes_size(self.gathered(d), mesh) for d, n in enumerate(src)]
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
-    stacked = lax.all_gather(x, self.axes, axis=0).reshape(
+    stacked = lax.all_gather(x[None], self.axes, axis=0, tiled=True).reshape(  # keys too
         [mesh[a] for a in self.axes] + list(x.shape))
     order = [i for d in range(x.ndim)
              for i in [self.axes.index(a) for a in self.gathered(d)] + [len(self.axes) + d]]
@@ -798,8 +799,8 @@ class IotaFill:
 @dataclass(frozen=True, kw_only=True)
 class Splat(ReshardStep):
   """Makes ``after``'s block of a value every device can make itself anew: one whose elements
-  all equal ``fill`` (a broadcast of a literal) or an iota (``fill`` an IotaFill). Local, no
-  communication, as XLA folds a collective of such a value."""
+  all equal ``fill`` (a broadcast of a literal) or an iota (``fill`` an IotaFill), or one with
+  no elements. Local, no communication, as XLA folds a collective of such a value."""
 
   kind: ClassVar[str] = "splat"
   communicates: ClassVar[bool] = False
@@ -810,6 +811,8 @@ class Splat(ReshardStep):
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     """``after``'s block, of ``x``'s shape and dtype."""
+    if not x.size:
+      return x
     if not isinstance(self.fill, IotaFill):
       return jnp.full_like(x, self.fill)
     d = self.fill.dimension
@@ -817,17 +820,14 @@ class Splat(ReshardStep):
     return lax.broadcasted_iota(x.dtype, x.shape, d) + first.astype(x.dtype)
 
 
+@over_key_data
 def pad_to(x: jax.Array, shape: Shape) -> jax.Array:
   """``x`` padded at the end of every dim shorter than ``shape`` (whole uneven dims about to be
-  split); a PRNG key array by its key data (no key is zero: the padding is never read)."""
+  split; a key array's data has more dims than ``shape``)."""
   widths = [(0, max(0, n - m)) for n, m in zip(shape, x.shape)]
   if not any(w for _, w in widths):
     return x
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    data = jax.random.key_data(x)
-    return jax.random.wrap_key_data(jnp.pad(data, widths + [(0, 0)] * (data.ndim - x.ndim)),
-                                    impl=jax.random.key_impl(x))
-  return jnp.pad(x, widths)
+  return jnp.pad(x, widths + [(0, 0)] * (x.ndim - len(widths)))
 
 
 def cut_to(x: jax.Array, shape: Shape) -> jax.Array:
@@ -851,6 +851,7 @@ def ordered_extrema(steps: tuple[ReshardStep, ...], shape: Sequence[int], width:
                for s in steps)
 
 
+@over_key_data  # a SumGather of keys: each key summed with zeros
 def _all_reduce(x: jax.Array, axes: str | Axes, op: str, width: int | None = None) -> jax.Array:
   """``x`` combined by ``op`` over ``axes`` (a float extremum's ordered integers ``width``
   bytes per element on the wire, its own size by default)."""
