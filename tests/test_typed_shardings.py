@@ -121,6 +121,33 @@ def test_mixed_mesh_request_naming_only_explicit_axes_leaves_the_auto_ones_open(
     assert plan.total_bytes <= _compiled_bytes(jax.jit(fn), *_committed(mesh, args, specs))
 
 
+ROWS = np.array([0, 3, 3, 15, 7, 8, 1, 2])
+WITH_COMPUTATIONS = {
+    "scatter_add": lambda i, u: jnp.zeros((16, 8)).at[i].add(u),
+    "scatter_max": lambda i, u: jnp.zeros((16, 8)).at[i].max(u),
+    "scatter_mul": lambda i, u: jnp.ones((16, 8)).at[i].multiply(u),
+    "segment_sum": lambda i, u: jax.ops.segment_sum(u, i, 16),
+    "gradient_of_take": lambda i, u: jax.grad(lambda u: (u[i % 8] ** 2).sum())(u),
+    "reduce": lambda i, u: jax.lax.reduce(u, -jnp.inf, lambda a, b: jnp.maximum(a, b), (0,)),
+    "reduce_window": lambda i, u: jax.lax.reduce_window(
+        u, -jnp.inf, lambda a, b: jnp.maximum(a, b), (2, 2), (1, 1), "VALID"),
+    "in_a_loop": lambda i, u: jax.lax.fori_loop(0, 3, lambda k, c: c.at[i % 8].add(1.0), u),
+}
+
+
+@pytest.mark.parametrize("types", [(E, A), (A, E)], ids=["explicit_auto", "auto_explicit"])
+@pytest.mark.parametrize("split", [False, True], ids=["replicated", "split_over_auto"])
+@pytest.mark.parametrize("name", list(WITH_COMPUTATIONS))
+def test_mixed_mesh_ops_with_a_computation(types, split, name):
+  """A scatter's combiner and a reduce's body, traced beside the user's program, name the mixed
+  mesh in their types; they are traced anew inside the partitioned program (JAX's verifier
+  refused the constraints they lowered to on its manual axes). (Split over an Explicit axis,
+  jax.jit itself refuses these scatters and windows.)"""
+  auto = "y" if types[1] == A else "x"
+  specs = (P(auto), P(auto, None)) if split else (P(), P())
+  check_committed(WITH_COMPUTATIONS[name], (ROWS, randn(8, 8)), specs, _mesh(*types))
+
+
 @pytest.mark.parametrize("types", [(E, A), (A, E), (A, A)],
                          ids=["explicit_auto", "auto_explicit", "auto"])
 def test_eager_gradient_comes_back_sharded_as_its_committed_argument(types):

@@ -124,6 +124,35 @@ def under_jit() -> bool:
   return src_core.unsafe_am_i_under_a_jit()
 
 
+def traced_here(jaxpr: Any) -> Any:
+  """An op's computation of two values of one type (a scatter's combiner, a reduce's body), open
+  or closed, traced anew in the current trace, as JAX traces one (``lax._reduction_jaxpr``, in
+  every release), its equations bound outside the mesh context each recorded. Traced beside the
+  user's program on a mesh with Explicit axes, its values' types name that mesh, which inside a
+  shard_map lower to sharding constraints on its manual axes. Any other (with consts, of
+  other arity) is kept as it is."""
+  inner, consts = open_jaxpr(jaxpr)
+  avals = inner.in_avals
+  if (consts or inner.constvars or len(avals) != 2 or avals[0] != avals[1]
+      or len(inner.outvars) != 1):
+    return jaxpr
+
+  def run(x: Any, y: Any) -> Any:
+    env = dict(zip(inner.invars, (x, y)))
+    read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]  # noqa: E731
+    for eqn in inner.eqns:
+      out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
+      env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    (result,) = map(read, inner.outvars)
+    return result
+
+  new, _ = importlib.import_module("jax._src.lax.lax")._reduction_jaxpr(
+      run, jax.core.ShapedArray((), avals[0].dtype, weak_type=avals[0].weak_type))
+  new_inner = open_jaxpr(new)[0]
+  return (jcore.ClosedJaxpr(new_inner, ()) if isinstance(jaxpr, jcore.ClosedJaxpr)
+          and not isinstance(jaxpr, jcore.Jaxpr) else new_inner)
+
+
 def key_impl(aval: Any) -> Any:
   """The PRNG implementation (a ``jax.extend.random`` PRNGImpl) of a key array's aval;
   ``jax.random.key_impl`` takes arrays only and gives the name."""

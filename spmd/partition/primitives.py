@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import jax.numpy as jnp
+from jax.extend import core as jcore
 from jax.extend.core import Primitive
 
 from spmd.partition.atoms import Value
+from spmd.partition.jax_compat import traced_here
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 if TYPE_CHECKING:
@@ -108,9 +110,11 @@ SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
 def bind(op: "Op", args: list, **overrides: Any) -> list:
-  """The op's primitive applied to ``args`` (its params, sharding params dropped, ``overrides``
-  replacing others): the op run on arrays rather than traced."""
-  params = {k: (None if k in SHARDING_PARAMS else v) for k, v in op.params.items()}
+  """The op's primitive applied to ``args`` (its params, sharding params dropped, computations
+  traced here, ``overrides`` replacing others): the op run on arrays rather than traced."""
+  params = {k: (None if k in SHARDING_PARAMS
+                else traced_here(v) if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) else v)
+            for k, v in op.params.items()}
   params.update(overrides)
   out = op.eqn.primitive.bind(*args, **params)
   return list(out) if op.eqn.primitive.multiple_results else [out]
