@@ -215,3 +215,21 @@ def test_an_unrolled_scan_holds_a_copy_of_its_collectives_per_unrolled_step():
       if "hoisted" not in c.tensor:
         copies.setdefault((c.kind, c.bytes, c.shape), []).append(c.trips)
     assert copies and all(sorted(t) == sorted(trips) for t in copies.values()), plan.explain()
+
+
+@pytest.mark.parametrize("mesh,spec", [("x8", P()), ("x8", P("x")), ("a2b4", P(("a", "b"))),
+                                       ("a2b4", P("b"))])
+def test_a_loop_with_a_trip_count_per_element(mesh, spec):
+  """``jax.vmap`` of a while loop whose trip count differs per element (so too a vmapped
+  ``jax.random.binomial``, and ``poisson`` before JAX 0.12): JAX's loop runs while any element's
+  predicate holds, each element keeping its carry once its own fails. Its carries run whole."""
+  def doubled(n):
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2.0), (0, 1.0))[1]
+
+  keys = jax.random.split(jax.random.key(0), 8)
+  rates = np.arange(1, 9, dtype=np.float32)
+  cases = [(jax.vmap(doubled), (np.arange(8) % 5,)),
+           (jax.vmap(jax.vmap(doubled)), (np.arange(16).reshape(8, 2) % 5,)),
+           (jax.vmap(lambda k, n: jax.random.binomial(k, n, 0.3)), (keys, rates))]
+  for fn, args in cases:
+    assert_partitioned_matches(fn, args, (spec,) * len(args), mesh)
