@@ -150,8 +150,8 @@ def dynamic_update_slice(op: Op) -> OpShardingRule:
 
 def gather(op: Op) -> OpShardingRule:
   """Offset dims pass to the result, index batch dims pass from the indices; an operand dim that
-  is indexed with slice size 1 is a reduction: each device gathers the rows it owns (others
-  masked to zero) and the partial results are summed."""
+  is indexed with slice size 1 (collapsed or not) is a reduction: each device gathers the rows
+  it owns (others masked to zero) and the partial results are summed."""
   dn, sizes = op.params["dimension_numbers"], op.params["slice_sizes"]
   operand, indices = op.inputs[0].aval.shape, op.inputs[1].aval.shape
   out = op.outputs[0].shape
@@ -172,13 +172,22 @@ def gather(op: Op) -> OpShardingRule:
   for od, rd in zip(offset_operand, dn.offset_dims):
     if sizes[od] == operand[od]:
       operand_dims[od] = result[rd] = b.factor(operand[od])
+    elif _indexed_row(op, od):  # kept as a dim of 1 (jax.vmap's form of x[k])
+      operand_dims[od] = b.factor(operand[od], REDUCE)
     else:
       operand_dims[od] = b.factor(operand[od], PERM)
       result[rd] = b.factor(out[rd], WHOLE)
   for od in dn.collapsed_slice_dims:
-    indexed_row = sizes[od] == 1 and od in dn.start_index_map and _masked_reduction_ok(op)
-    operand_dims[od] = b.factor(operand[od], REDUCE if indexed_row else PERM)
+    operand_dims[od] = b.factor(operand[od], REDUCE if _indexed_row(op, od) else PERM)
   return b.build([operand_dims, index_dims], [result])
+
+
+def _indexed_row(op: Op, d: int) -> bool:
+  """Whether the gather takes one row of operand dim ``d`` at an index: a reduction factor
+  there (local.gather masks the rows a device does not own)."""
+  dn = op.params["dimension_numbers"]
+  return (op.params["slice_sizes"][d] == 1 and d in dn.start_index_map
+          and _masked_reduction_ok(op))
 
 
 def scatter(combiner: str | None) -> Callable[[Op], OpShardingRule]:
