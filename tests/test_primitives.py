@@ -781,6 +781,16 @@ def test_vmapped_rows_at_indices_are_gathered_from_their_owners(name):
       assert_partitioned_matches(fn, args, (spec, P()), "x8")
 
 
+@pytest.mark.parametrize("mesh,spec", [("x8", P("x")), ("a2b4", P(("a", "b"))), ("a2b4", P("b"))])
+def test_searchsorted_of_a_split_sorted_array(mesh, spec):
+  """jnp.searchsorted's binary search takes one row of the sorted array at an index each step
+  (a gather keeping it as a dim of 1): summed from its owner, as XLA does (128 / 32 B before)."""
+  a = np.sort(randn(32))
+  for side in ("left", "right"):
+    no_more_than_xla(lambda a, v: jnp.searchsorted(a, v, side=side),
+                     (a, np.linspace(-2, 2, 8, dtype=np.float32)), (spec, P()), mesh)
+
+
 def test_gather_int_and_bool_operands():
   def fn(x, b, idx):
     return x[idx], b[idx], jnp.take(b, idx, axis=1)
