@@ -277,9 +277,15 @@ def xla_bytes(fn: Callable, args: tuple, in_specs: Any, mesh: Mesh | str,
     return fn(*(jax.tree_util.tree_map(constrain, s, ok, x, is_leaf=is_spec)
                 for x, s, ok in zip(xs, specs, even)))
 
+  def arrival(s: Any, ok: bool) -> NamedSharding | None:
+    """The spec, None (open) for none, replicated for an uneven one (left open, XLA would
+    place it by the constraint: unevenly, which JAX cannot return)."""
+    if not ok:
+      return NamedSharding(mesh, P())
+    return NamedSharding(mesh, s) if isinstance(s, P) else None
+
   jitted = jax.jit(constrained, out_shardings=named(mesh, out_specs), in_shardings=tuple(
-      jax.tree_util.tree_map(lambda s, ok: NamedSharding(mesh, s) if ok and isinstance(s, P)
-                             else None, s, ok, is_leaf=is_spec) for s, ok in zip(specs, even)))
+      jax.tree_util.tree_map(arrival, s, ok, is_leaf=is_spec) for s, ok in zip(specs, even)))
   return sum(c.bytes for c in collectives(jitted.lower(*args).compile().as_text()))
 
 
