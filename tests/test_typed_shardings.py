@@ -132,6 +132,11 @@ WITH_COMPUTATIONS = {
     "reduce_window": lambda i, u: jax.lax.reduce_window(
         u, -jnp.inf, lambda a, b: jnp.maximum(a, b), (2, 2), (1, 1), "VALID"),
     "in_a_loop": lambda i, u: jax.lax.fori_loop(0, 3, lambda k, c: c.at[i % 8].add(1.0), u),
+    "variadic_reduce": lambda i, u: jax.lax.reduce(
+        (u, u * 2), (0.0, -jnp.inf), lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])), (0,)),
+    "variadic_reduce_window": lambda i, u: jax.lax.reduce_window(
+        (u, u * 2), (0.0, -jnp.inf), lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+        (2, 2), (1, 1), "VALID"),
 }
 
 
