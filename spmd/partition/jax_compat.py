@@ -124,36 +124,15 @@ def under_jit() -> bool:
   return src_core.unsafe_am_i_under_a_jit()
 
 
-def traced_here(jaxpr: Any) -> Any:
-  """An op's computation combining two values of one type, element by element (a scatter's
-  combiner, a reduce's or reduce_window's body, variadic too), open or closed, traced anew in
-  the current trace as JAX traces one (``lax._variadic_reduction_jaxpr``, private in every
-  release), each equation bound outside the mesh context it recorded. Traced beside the user's
-  program on a mesh with Explicit axes, its values' types name that mesh, which inside a
-  shard_map lower to sharding constraints on its manual axes. Any other (with consts, not
-  scalars in two equal halves) is kept as it is."""
-  inner, consts = open_jaxpr(jaxpr)
-  avals, half = inner.in_avals, len(inner.in_avals) // 2
-  if (consts or inner.constvars or not avals or avals[:half] != avals[half:]
-      or any(a.shape for a in avals) or len(inner.outvars) != half):
-    return jaxpr
-
-  def computation(xs: tuple, ys: tuple) -> tuple:
-    env = dict(zip(inner.invars, (*xs, *ys)))
-    read = lambda a: a.val if isinstance(a, jcore.Literal) else env[a]  # noqa: E731
-    for eqn in inner.eqns:
-      out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.params)
-      env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-    return tuple(map(read, inner.outvars))
-
-  fresh = tuple(jax.core.ShapedArray((), a.dtype, weak_type=a.weak_type) for a in avals[:half])
+def reduction_jaxpr(computation: Callable[[tuple, tuple], tuple], avals: tuple) -> Any:
+  """``computation(xs, ys)`` of two tuples of values of ``avals`` traced in the current trace,
+  as JAX traces a reduce's body (``lax._variadic_reduction_jaxpr`` and
+  ``api_util.debug_info``, private in every release): a closed jaxpr."""
   debug = importlib.import_module("jax._src.api_util").debug_info(
-      "reduction_jaxpr", computation, (fresh, fresh), {})
-  new, _ = importlib.import_module("jax._src.lax.lax")._variadic_reduction_jaxpr(
-      computation, debug, fresh, jax.tree_util.tree_structure(fresh))
-  new_inner = open_jaxpr(new)[0]
-  return (jcore.ClosedJaxpr(new_inner, ()) if isinstance(jaxpr, jcore.ClosedJaxpr)
-          and not isinstance(jaxpr, jcore.Jaxpr) else new_inner)
+      "reduction_jaxpr", computation, (avals, avals), {})
+  closed, _ = importlib.import_module("jax._src.lax.lax")._variadic_reduction_jaxpr(
+      computation, debug, avals, jax.tree_util.tree_structure(avals))
+  return closed
 
 
 def key_impl(aval: Any) -> Any:

@@ -17,7 +17,6 @@ from jax.extend import core as jcore
 from jax.extend.core import Primitive
 
 from spmd.partition.atoms import Value
-from spmd.partition.jax_compat import traced_here
 from spmd.partition.rules.factors import OpShardingRule, RuleBuilder
 
 if TYPE_CHECKING:
@@ -112,6 +111,7 @@ SHARDING_PARAMS = ("sharding", "out_sharding")
 def bind(op: "Op", args: list, **overrides: Any) -> list:
   """The op's primitive applied to ``args`` (its params, sharding params dropped, computations
   traced here, ``overrides`` replacing others): the op run on arrays rather than traced."""
+  from spmd.partition.unchecked import traced_here  # it evaluates with these records
   params = {k: (None if k in SHARDING_PARAMS
                 else traced_here(v) if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) else v)
             for k, v in op.params.items()}

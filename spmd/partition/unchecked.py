@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+import jax
 from jax import lax
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from spmd.partition.jax_compat import open_jaxpr, scan_layout
+from spmd.partition.jax_compat import open_jaxpr, reduction_jaxpr, scan_layout
 from spmd.partition.primitives import describe
 
 # How an equation of a primitive is evaluated instead of bound as written: (its params, its
@@ -40,6 +41,23 @@ def evaluate(jaxpr: Any, args: Sequence[Any], rewrites: Rewrites | None = None) 
       outs = _equation(eqn, [read(v) for v in eqn.invars], rewrites)
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in body.outvars]
+
+
+def traced_here(jaxpr: Any) -> Any:
+  """An op's computation combining two values of one type, element by element (a scatter's
+  combiner, a reduce's or reduce_window's body, variadic too), open or closed, ``evaluate``d
+  anew in the current trace (``jax_compat.reduction_jaxpr``), outside the mesh context each
+  equation recorded. Traced beside the user's program on a mesh with Explicit axes, its values'
+  types name that mesh, which inside spmd's shard_map lower to sharding constraints on its
+  manual axes. Any other (with consts, not scalars in two equal halves) is kept as it is."""
+  body, consts = open_jaxpr(jaxpr)
+  avals, half = body.in_avals, len(body.in_avals) // 2
+  if (consts or body.constvars or not avals or avals[:half] != avals[half:]
+      or any(a.shape for a in avals) or len(body.outvars) != half):
+    return jaxpr
+  fresh = tuple(jax.core.ShapedArray((), a.dtype, weak_type=a.weak_type) for a in avals[:half])
+  new = reduction_jaxpr(lambda xs, ys: tuple(evaluate(body, [*xs, *ys])), fresh)
+  return new if isinstance(jaxpr, jcore.ClosedJaxpr) else open_jaxpr(new)[0]
 
 
 def _equation(eqn: Any, args: list, rewrites: Rewrites) -> list:
