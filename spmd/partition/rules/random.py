@@ -12,6 +12,7 @@ from jax.extend.random import rbg_prng_impl, threefry_prng_impl
 
 from spmd.partition.ir import Op
 from spmd.partition.jax_compat import key_impl
+from spmd.partition.primitives import replicated_rule
 from spmd.partition.rules.elementwise import elementwise
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
 
@@ -27,14 +28,14 @@ def random_split(op: Op) -> OpShardingRule:
 
 
 def fold_in(op: Op) -> OpShardingRule:
-  return elementwise(op) if _per_key(op) else _whole(op)
+  return elementwise(op) if _per_key(op) else replicated_rule(op)
 
 
 def gamma(op: Op) -> OpShardingRule:
   """Per element of alpha, keyed by its key's dims (alpha's leading ones) and its position in
   the rest (local.random_gamma)."""
   if not _per_key(op):
-    return _whole(op)
+    return replicated_rule(op)
   b = RuleBuilder()
   dims = b.factors(op.outputs[0].shape)
   return b.build([dims[:op.inputs[0].aval.ndim], dims], [dims])
@@ -51,17 +52,10 @@ def _per_key(op: Op) -> bool:
 def _generate(op: Op, per_key: FactorKind) -> OpShardingRule:
   keys, out = op.inputs[0].aval.shape, op.outputs[0].shape
   if keys and not _per_key(op):
-    return _whole(op)
+    return replicated_rule(op)
   b = RuleBuilder()
   key_dims = b.factors(keys)
   return b.build([key_dims], [key_dims + b.factors(out[len(keys):], per_key)])
-
-
-def _whole(op: Op) -> OpShardingRule:
-  """Every operand and result whole."""
-  b = RuleBuilder()
-  return b.build([b.factors(x.aval.shape, WHOLE) for x in op.inputs],
-                 [b.factors(v.shape, WHOLE) for v in op.outputs])
 
 
 def wrap(op: Op) -> OpShardingRule:
