@@ -87,7 +87,7 @@ def while_(op: Op) -> list[Link]:
   predicate (computed twice a trip) needs no collective."""
   cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
   cond, body = op.regions
-  carried = FactorKind.NEED_REPLICATION if cond.outputs[0].aval.shape else FactorKind.PASS
+  carried = FactorKind.NEED_REPLICATION if _per_element(op) else FactorKind.PASS
   links = [identity([c], [v], kind=carried) for c, v in zip(op.inputs[:cn], cond.inputs[:cn])]
   links += [identity([c], [v]) for c, v in zip(op.inputs[cn:cn + bn], body.inputs[:bn])]
   for j, init in enumerate(op.inputs[cn + bn:]):
@@ -95,6 +95,12 @@ def while_(op: Op) -> list[Link]:
                           [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]],
                           outside=(1, 4), kind=carried))  # the init and the loop's result
   return links
+
+
+def _per_element(op: Op) -> bool:
+  """Whether a while loop's predicate is per element (JAX's batching of a loop whose elements
+  run different trip counts)."""
+  return bool(op.regions[0].outputs[0].aval.shape)
 
 
 def cond(op: Op) -> list[Link]:
@@ -168,7 +174,7 @@ def lower_while(it: Interpreter, s: Any, args: list) -> list:
   def body(carry):
     return it.region(s.regions[1], op.regions[1], [*body_consts, *carry])
 
-  if not op.regions[0].outputs[0].aval.shape:
+  if not _per_element(op):
     return list(lax.while_loop(pred, body, list(init)))
 
   def batched_body(carry):
