@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 
-from helpers import assert_partitioned_matches, randn
+from helpers import assert_partitioned_matches, no_more_than_xla, randn
 
 # x is split over both axes and w over them the other way round: x @ w gathers w over "a" (the
 # dot keeps x's layout), and the partial sum over "b" is reduce-scattered into the carry.
@@ -222,14 +222,36 @@ def test_an_unrolled_scan_holds_a_copy_of_its_collectives_per_unrolled_step():
 def test_a_loop_with_a_trip_count_per_element(mesh, spec):
   """``jax.vmap`` of a while loop whose trip count differs per element (so too a vmapped
   ``jax.random.binomial``, and ``poisson`` before JAX 0.12): JAX's loop runs while any element's
-  predicate holds, each element keeping its carry once its own fails. Its carries run whole."""
+  predicate holds, each element keeping its carry once its own fails. Its elements stay split
+  as under jax.jit: the ``any`` is an all-reduce of one flag per trip, and nothing else moves."""
   def doubled(n):
     return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] * 2.0), (0, 1.0))[1]
+
+  def sines(x, n):
+    return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.sin(c[1]) * 2.0),
+                          (0, x))[1]
 
   keys = jax.random.split(jax.random.key(0), 8)
   rates = np.arange(1, 9, dtype=np.float32)
   cases = [(jax.vmap(doubled), (np.arange(8) % 5,)),
            (jax.vmap(jax.vmap(doubled)), (np.arange(16).reshape(8, 2) % 5,)),
-           (jax.vmap(lambda k, n: jax.random.binomial(k, n, 0.3)), (keys, rates))]
+           (jax.vmap(lambda k, n: jax.random.binomial(k, n, 0.3)), (keys, rates)),
+           (jax.vmap(sines), (randn(8, 16), np.arange(8) % 5))]
   for fn, args in cases:
-    assert_partitioned_matches(fn, args, (spec,) * len(args), mesh)
+    plan = no_more_than_xla(fn, args, (spec,) * len(args), mesh)
+    assert {c.kind for c in plan.collectives} <= {"all-reduce"}, plan.explain()
+
+
+@pytest.mark.parametrize("mesh,specs", [("x8", (P("x", None), P("x"))),
+                                        ("a2b4", (P("a", "b"), P("a"))),
+                                        ("a2b4", (P(None, "b"), P()))])
+@pytest.mark.parametrize("rows", [8, 6, 3])
+def test_a_loop_per_element_over_split_rows_and_features(mesh, specs, rows):
+  """The predicate reads a reduction over the features, which may be split too, and the
+  elements may not divide over their axis (padding rows take no part in the ``any``)."""
+  def grown(x, limit):
+    return lax.while_loop(lambda c: jnp.sum(c[1]) < limit,
+                          lambda c: (c[0] + 1, c[1] * 1.5 + 0.25), (0, x))
+
+  x, limits = np.abs(randn(rows, 16)), 8.0 * (1 + np.arange(rows, dtype=np.float32))
+  no_more_than_xla(jax.vmap(grown), (x, limits), specs, mesh)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, jaxpr_as_fun
 
 from spmd.partition import local, manual, partly_manual
 from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
@@ -137,6 +137,32 @@ def hi_primitive_body(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tu
   its expansion into ordinary primitives, traced here as JAX expands it when it lowers."""
   (call,) = primitives_named("call_hi_primitive")
   return _traced_over(functools.partial(call.to_lojax, _prim=params["_prim"]), inputs)
+
+
+def one_predicate_loop(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
+  """A ``while`` whose predicate is per element (``jax.vmap`` of a loop whose elements run
+  different trip counts) is, as JAX lowers it, a loop while any element's predicate holds whose
+  body keeps the carry of each element whose own predicate fails (the predicate's dims lead every
+  carry's): the elements then stay split, the ``any`` an all-reduce per trip. A loop with one
+  predicate is the op itself (None)."""
+  cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+  if not cond.out_avals[0].shape:
+    return None
+  cn, bn = params["cond_nconsts"], params["body_nconsts"]
+
+  def loop(*args: jax.Array) -> list[jax.Array]:
+    cond_consts, body_consts, init = args[:cn], args[cn:cn + bn], args[cn + bn:]
+
+    def holds(carry: list) -> jax.Array:
+      return jaxpr_as_fun(cond)(*cond_consts, *carry)[0]
+
+    def step(carry: list) -> list[jax.Array]:
+      keep = holds(carry)
+      new = jaxpr_as_fun(body)(*body_consts, *carry)
+      return [jax.lax.select(jax.lax.broadcast_in_dim(keep, n.shape, tuple(range(keep.ndim))),
+                             n, old) for n, old in zip(new, carry)]
+    return jax.lax.while_loop(lambda carry: jnp.any(holds(carry)), step, list(init))
+  return _traced_over(loop, inputs)
 
 
 def split_as_slices(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple]:
@@ -296,7 +322,8 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
        PrimitiveInfo(linalg.batched(linalg.vector))),
       (("fft",), PrimitiveInfo(linalg.batched(linalg.fft_axes))),
       # control flow and calls
-      *(((name,), PrimitiveInfo(control=flow)) for name, flow in CONTROL_FLOW.items()),
+      *(((name,), PrimitiveInfo(control=flow, inline=one_predicate_loop if name == "while"
+                                else None)) for name, flow in CONTROL_FLOW.items()),
       *(((name,), PrimitiveInfo(inline=call_body(param))) for name, param in INLINED_CALLS.items()),
       (("custom_linear_solve",), PrimitiveInfo(inline=linear_solve_body)),
       (("call_hi_primitive",), PrimitiveInfo(inline=hi_primitive_body)),

@@ -22,13 +22,13 @@ class Link:
   results: tuple[Atom, ...]
 
 
-def identity(operands: Sequence[Atom], results: Sequence[Atom], outside: tuple[int, ...] = (),
-             kind: FactorKind = FactorKind.PASS) -> Link:
-  """All tensors share one factor per dim, of ``kind`` (literals take no part); ``outside``: a
-  carry's tensors outside its loop (OpShardingRule.outside)."""
+def identity(operands: Sequence[Atom], results: Sequence[Atom], outside: tuple[int, ...] = ()
+             ) -> Link:
+  """All tensors share one factor per dim (literals take no part); ``outside``: a carry's
+  tensors outside its loop (OpShardingRule.outside)."""
   shape = next((x.shape for x in (*operands, *results) if isinstance(x, Value)), ())
   b = RuleBuilder()
-  dims = b.factors(shape, kind)
+  dims = b.factors(shape)
 
   def of(x: Atom) -> list | None:
     return list(dims) if isinstance(x, Value) else None
@@ -81,26 +81,16 @@ def scan(op: Op) -> list[Link]:
 
 
 def while_(op: Op) -> list[Link]:
-  """A predicate per element (a batched loop: ``jax.vmap`` of one with a trip count per
-  element) leaves its region whole, as any unlinked region output: the carries it selects
-  between (lower_while) are then whole too, and so are the condition's consts, so that the
-  predicate (computed twice a trip) needs no collective."""
+  """A loop of one predicate (catalog.one_predicate_loop rewrites one per element)."""
   cn, bn = op.params["cond_nconsts"], op.params["body_nconsts"]
   cond, body = op.regions
-  carried = FactorKind.NEED_REPLICATION if _per_element(op) else FactorKind.PASS
-  links = [identity([c], [v], kind=carried) for c, v in zip(op.inputs[:cn], cond.inputs[:cn])]
+  links = [identity([c], [v]) for c, v in zip(op.inputs[:cn], cond.inputs[:cn])]
   links += [identity([c], [v]) for c, v in zip(op.inputs[cn:cn + bn], body.inputs[:bn])]
   for j, init in enumerate(op.inputs[cn + bn:]):
     links.append(identity([body.outputs[j], init],
                           [body.inputs[bn + j], cond.inputs[cn + j], op.outputs[j]],
-                          outside=(1, 4), kind=carried))  # the init and the loop's result
+                          outside=(1, 4)))  # the init and the loop's result
   return links
-
-
-def _per_element(op: Op) -> bool:
-  """Whether a while loop's predicate is per element (JAX's batching of a loop whose elements
-  run different trip counts)."""
-  return bool(op.regions[0].outputs[0].aval.shape)
 
 
 def cond(op: Op) -> list[Link]:
@@ -174,17 +164,7 @@ def lower_while(it: Interpreter, s: Any, args: list) -> list:
   def body(carry):
     return it.region(s.regions[1], op.regions[1], [*body_consts, *carry])
 
-  if not _per_element(op):
-    return list(lax.while_loop(pred, body, list(init)))
-
-  def batched_body(carry):
-    """As JAX lowers a predicate per element: each carry's elements whose predicate holds take
-    the body's result, the others stay (the predicate's dims lead every carry's)."""
-    keep = pred(carry)
-    return [lax.select(lax.broadcast_in_dim(keep, new.shape, tuple(range(keep.ndim))), new, old)
-            for new, old in zip(body(carry), carry)]
-
-  return list(lax.while_loop(lambda carry: pred(carry).any(), batched_body, list(init)))
+  return list(lax.while_loop(pred, body, list(init)))
 
 
 def lower_cond(it: Interpreter, s: Any, args: list) -> list:
