@@ -26,7 +26,8 @@ from spmd.logical import AxisRules, box_specs
 from spmd.mesh import mesh_shape, with_auto_axes
 from spmd.partition.annotation import restate_spec_error
 from spmd.partition.ir import build_program, names_mesh_axes
-from spmd.partition.jax_compat import context_mesh, lowering_platform, under_jit
+from spmd.partition.jax_compat import (context_mesh, lowering_platform, trace_context,
+                                       under_jit)
 from spmd.partition.lower import lower_spmd
 from spmd.partition.lower_xla import lower_xla
 from spmd.partition.manual import restate_unbound_axis
@@ -299,7 +300,7 @@ class Partitioned:
       return out
     structure, leaves = _structure(args, self.static_argnums)
     if structure is not None:
-      structure = (structure, self._rules.rules, _in_mesh_context(self.mesh))
+      structure = (structure, self._rules.rules, _in_mesh_context(self.mesh), trace_context())
     steady = self._steady.get(structure) if structure is not None else None
     if steady is not None:
       out = steady.call(leaves)
@@ -462,7 +463,7 @@ class Partitioned:
                                     f"the sharding of argument {name}")
                      for c, t, aval, name in zip(committed, typed, avals, leaf_names))
     key = (in_tree, avals, statics, given, arrivals, committed, self._rules.rules,
-           _in_mesh_context(self.mesh))
+           _in_mesh_context(self.mesh), trace_context())
     if key not in self._cache:
       labels = [name + (f" as {spec}" if _names_logical(spec, self.mesh) else "")
                 for name, spec in zip(leaf_names, requested)]
@@ -489,7 +490,8 @@ class Partitioned:
 
     explicit = AxisType.Explicit in self.mesh.axis_types
     trace_key = (in_tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals), statics,
-                 self._rules.rules, (avals, given, arrivals) if explicit else None)
+                 self._rules.rules, (avals, given, arrivals) if explicit else None,
+                 trace_context())
     if trace_key not in self._traces:
       self._traces[trace_key] = (*self._trace(flat_fun, avals, given, arrivals), *out_store[-1])
     closed, types, out_tree, graph_out = self._traces[trace_key]

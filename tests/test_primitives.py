@@ -1109,6 +1109,37 @@ def test_random_key_arrays_of_every_impl(impl, mesh, spec):
   assert_partitioned_matches(fn, (keys, alpha), (spec, spec), mesh)
 
 
+@pytest.mark.parametrize("mesh,spec", RANDOM, ids=_ids(RANDOM))
+def test_random_without_partitionable_threefry(mesh, spec):
+  """Under ``jax.threefry_partitionable(False)`` threefry's bits are not a function of their
+  position alone: a split result is drawn whole on every device and sliced, as XLA does."""
+  def fn(key, x):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, (8, 16)) * x, jax.random.bits(k2, (16, 8)).T,
+            jax.vmap(lambda k: jax.random.uniform(k, (16,)))(jax.random.split(k2, 8)))
+
+  with jax.threefry_partitionable(False):
+    assert_partitioned_matches(fn, (jax.random.key(42), randn(8, 16)), (P(), spec), mesh,
+                               out_specs=(spec, spec, spec), rtol=0, atol=0)
+
+
+def test_a_call_under_other_jax_settings_traces_again():
+  """As ``jax.jit``, a partitioned function traces and compiles again when called under other
+  settings that change its program (``jax.threefry_partitionable``, rank promotion)."""
+  mesh = spmd.make_mesh({"x": 8})
+  draw = spmd.partition(lambda k: jax.random.normal(k, (16, 4)), mesh=mesh, in_specs=(P(),),
+                        out_specs=P("x"))
+  key = jax.random.key(1)
+  for partitionable in (True, False, True):
+    with jax.threefry_partitionable(partitionable):
+      np.testing.assert_array_equal(draw(key), jax.random.normal(key, (16, 4)))
+  added = spmd.partition(jnp.add, mesh=mesh, in_specs=(P("x"), P()))
+  x, y = randn(8, 4), randn(4)
+  np.testing.assert_array_equal(added(x, y), x + y)
+  with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
+    added(x, y)
+
+
 KEY_RESHARDS = [("a2b4", P("a", "b"), None), ("a2b4", P("b", "a"), P()),
                 ("a2b2c2", P(("a", "b"), "c"), P("c")), ("x8", P(None, "x"), P("x"))]
 

@@ -118,6 +118,14 @@ def context_mesh() -> Mesh:
   return mesh.get_concrete_mesh()
 
 
+def trace_context() -> tuple:
+  """The configuration a traced program depends on (``jax.threefry_partitionable``,
+  ``jax.default_matmul_precision``, x64, dtype promotion, ...), by which ``jax.jit`` keys its
+  caches: a call under other settings traces and compiles again (internal in 0.10 to 0.12)."""
+  from jax._src import config  # noqa: PLC0415
+  return config.trace_context()
+
+
 def under_jit() -> bool:
   """Whether the current trace stages a program out (``jax.jit``, ``jax.make_jaxpr``), rather
   than running eagerly (eager ``jax.grad`` and ``jax.vmap`` see concrete values)."""

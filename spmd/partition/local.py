@@ -24,6 +24,7 @@ from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geome
 from spmd.partition.ir import Op, Value
 from spmd.partition.jax_compat import gamma_one, key_impl
 from spmd.partition.primitives import bind, describe
+from spmd.partition.rules.random import by_position
 from spmd.partition.rules.reduce import identity
 from spmd.partition.sharding import Axes, MeshShape, TensorSharding
 
@@ -344,12 +345,13 @@ def conv(local: Local, args: list) -> list:
 
 
 def random_bits(local: Local, args: list) -> list:
-  """Threefry bits are a function of (key, global position): each device computes its block."""
+  """Threefry bits are a function of (key, global position) where ``jax_threefry_partitionable``
+  holds (JAX's default): each device computes its block. Others are drawn whole and sliced."""
   p, key = local.op.params, args[0]
   if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
     return bind(local.op, args)
   global_shape = tuple(p["shape"])
-  if (not local.writes[0].axes or key_impl(local.op.inputs[0].aval) is not threefry_prng_impl
+  if (not local.writes[0].axes or not by_position(local.op.inputs[0].aval)
       or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
     return _whole_then_slice(local, args)
   counts = _flat_positions(local, 0)

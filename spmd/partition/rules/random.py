@@ -1,13 +1,16 @@
 """jax.random: key arrays map dim by dim. Bits drawn from one key are new factors any consumer
-may shard (threefry bits depend only on the global position, so each device computes its block
-exactly; other generators' are drawn whole and sliced, local.random_bits); bits per key of a key
-array, and split keys, are computed whole per key.
+may shard (threefry bits depend only on the global position where threefry is partitionable, so
+each device computes its block exactly; other bits are drawn whole and sliced,
+local.random_bits); bits per key of a key array, and split keys, are computed whole per key.
 
 Only where each key's results depend on that key alone (``_per_key``): rng_bit_generator, with
 which rbg draws bits and unsafe_rbg does everything, draws a whole key array's batch from its
 first key (JAX's batching rule), so there the op runs on the whole key array."""
 from __future__ import annotations
 
+from typing import Any
+
+import jax
 from jax.extend.random import rbg_prng_impl, threefry_prng_impl
 
 from spmd.partition.ir import Op
@@ -39,6 +42,13 @@ def gamma(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = b.factors(op.outputs[0].shape)
   return b.build([dims[:op.inputs[0].aval.ndim], dims], [dims])
+
+
+def by_position(key: Any) -> bool:
+  """Whether bits drawn from one key of ``key`` (an aval) are a function of their flat position
+  alone, so that each device can draw its block: threefry's, where
+  ``jax_threefry_partitionable`` holds (JAX's default)."""
+  return key_impl(key) is threefry_prng_impl and jax.config.jax_threefry_partitionable
 
 
 def _per_key(op: Op) -> bool:
