@@ -10,6 +10,8 @@ Runs on the default backend; ``SPMD_TEST_BACKEND=xla`` runs the same cases on ba
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -1116,11 +1118,12 @@ def test_random_without_partitionable_threefry(mesh, spec):
   def fn(key, x):
     k1, k2 = jax.random.split(key)
     return (jax.random.normal(k1, (8, 16)) * x, jax.random.bits(k2, (16, 8)).T,
-            jax.vmap(lambda k: jax.random.uniform(k, (16,)))(jax.random.split(k2, 8)))
+            jax.vmap(lambda k: jax.random.uniform(k, (16,)))(jax.random.split(k2, 8)),
+            jax.random.poisson(k1, 4.0, (8, 16)))
 
   with jax.threefry_partitionable(False):
     assert_partitioned_matches(fn, (jax.random.key(42), randn(8, 16)), (P(), spec), mesh,
-                               out_specs=(spec, spec, spec), rtol=0, atol=0)
+                               out_specs=(spec,) * 4, rtol=0, atol=0)
 
 
 def test_a_call_under_other_jax_settings_traces_again():
@@ -1138,6 +1141,27 @@ def test_a_call_under_other_jax_settings_traces_again():
   np.testing.assert_array_equal(added(x, y), x + y)
   with jax.numpy_rank_promotion("raise"), pytest.raises(ValueError, match="rank_promotion"):
     added(x, y)
+
+
+POISSON = [("a2b4", (8, 12), P(), P("a", "b")), ("a2b4", (6, 15), P(), P("b", "a")),
+           ("x8", (16, 3), P(), P("x")), ("a2b4", (8, 12), P("b"), P("b", "a")),
+           ("a2b2c2", (6, 5), P("c"), P(("b", "c"), "a"))]
+
+
+@pytest.mark.parametrize("mesh,shape,key_spec,spec", POISSON, ids=_ids(POISSON))
+def test_random_poisson(mesh, shape, key_spec, spec):
+  """Poisson variates (rates below 10 by Knuth's loop, above by rejection) are drawn per key from
+  uniforms at their positions: each device draws its block's, as JAX lowers a split result."""
+  lam = np.linspace(0.5, 40, math.prod(shape), dtype=np.float32).reshape(shape)
+  if key_spec == P():
+    key = jax.random.key(3)
+    fn = lambda k, rates: jax.random.poisson(k, rates, rates.shape)  # noqa: E731
+  else:
+    key = jax.random.split(jax.random.key(3), shape[0])
+    fn = jax.vmap(lambda k, rates: jax.random.poisson(k, rates, rates.shape))
+  for out in (None, spec):
+    assert_partitioned_matches(fn, (key, lam), (key_spec, spec), mesh, out_specs=out, rtol=0,
+                               atol=0)
 
 
 KEY_RESHARDS = [("a2b4", P("a", "b"), None), ("a2b4", P("b", "a"), P()),

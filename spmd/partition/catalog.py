@@ -18,7 +18,7 @@ from jax.extend.core import Primitive, jaxpr_as_fun
 from spmd.partition import local, manual, partly_manual
 from spmd.partition.annotation import (annotate_p, annotate_request, constraint_request,
                                        reshard_request)
-from spmd.partition.jax_compat import gamma_one, open_jaxpr, primitives_named
+from spmd.partition.jax_compat import gamma_one, open_jaxpr, poisson_local, primitives_named
 from spmd.partition.primitives import (ADDITIVE_IN_FIRST, NONLINEAR, ControlFlow, Inline,
                                       Linearity, Manual, PrimitiveInfo, operands)
 from spmd.partition.roll import roll_dynamic_p, roll_p
@@ -70,7 +70,6 @@ REPLICATED: dict[str, str] = {
                          "its block alone",
     "rng_uniform": "its bits depend on the whole output shape",
     "raw_bits": "no rule yet (new in jax 0.12.1): a key's raw bit streams, drawn whole",
-    "random_poisson": "no rule yet (new in jax 0.12.1): Poisson variates drawn whole",
     "ragged_dot_general": "no rule yet: group sizes index the whole ragged dim",
     "scaled_dot": "no rule yet: the scales' block layout ties them to whole dims",
     "composite": "a composite's decomposition runs on whole operands",
@@ -314,6 +313,9 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("random_gamma",), PrimitiveInfo(random.gamma, local=local.random_gamma) if gamma_one()
        else PrimitiveInfo(reason="this JAX has no _gamma_one, which a device needs to draw its "
                                  "block's variates alone")),
+      (("random_poisson",), PrimitiveInfo(random.poisson, local=local.random_poisson)
+       if poisson_local() else PrimitiveInfo(reason="this JAX has no _poisson_impl_local, which "
+                                                    "a device needs to draw its block alone")),
       (("random_wrap",), PrimitiveInfo(random.wrap)),
       (("random_unwrap",), PrimitiveInfo(random.unwrap)),
       # linear algebra and FFTs: batch dims pass

@@ -155,9 +155,22 @@ def gamma_one() -> Callable | None:
   ``random_gamma`` maps over keys split per element; private in every release (0.10 to 0.12 keep
   it in jax._src.random.core, earlier layouts in jax._src.random). None where a release has
   none: random_gamma then runs replicated (catalog.py)."""
-  for name in ("jax._src.random.core", "jax._src.random"):
+  return _random_private("_gamma_one")
+
+
+@functools.cache
+def poisson_local() -> Callable | None:
+  """JAX's draw of Poisson variates per key (``_poisson_impl_local(keys, lam, dtype, counts)``,
+  ``counts`` the flat positions the uniforms are drawn at, as JAX's own lowering of a split
+  result passes them); private, in JAX 0.12.1+, whose ``random_poisson`` primitive it
+  implements. None elsewhere."""
+  return _random_private("_poisson_impl_local")
+
+
+def _random_private(name: str) -> Callable | None:
+  for module in ("jax._src.random.core", "jax._src.random"):
     try:
-      return importlib.import_module(name)._gamma_one
+      return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
       continue
   return None

@@ -22,7 +22,7 @@ from spmd.partition.devices import shard_index
 from spmd.partition.halo import cut, mirror, rotate, span
 from spmd.partition.halo_geometry import Exchange, Halo, Mirror, Rotation, geometry, joint
 from spmd.partition.ir import Op, Value
-from spmd.partition.jax_compat import gamma_one, key_impl
+from spmd.partition.jax_compat import gamma_one, key_impl, poisson_local
 from spmd.partition.primitives import bind, describe
 from spmd.partition.rules.random import by_position
 from spmd.partition.rules.reduce import identity
@@ -379,6 +379,19 @@ def random_gamma(local: Local, args: list) -> list:
   else:  # mapped one key at a time, as JAX does: others' batched bits come from one key
     samples = jax.lax.map(lambda ka: draw(*ka), (keys, alpha.reshape(-1)))
   return [samples.reshape(alpha.shape)]
+
+
+def random_poisson(local: Local, args: list) -> list:
+  """JAX draws a key's variates from uniforms at their flat positions among lam's dims past the
+  keys' (what its own lowering of a split result passes as ``counts``): each device draws its
+  block's, or all of a key's where those dims are whole."""
+  key, lam = args
+  drawn = local.writes[0].dims[key.ndim:]
+  counts = None
+  if any(drawn):
+    positions = _flat_positions(local, key.ndim)[(0,) * key.ndim]
+    counts = (jnp.zeros_like(positions), positions)
+  return [poisson_local()(key, lam, dtype=local.op.params["dtype"], counts=counts)]
 
 
 def _flat_positions(local: Local, first: int) -> jax.Array:

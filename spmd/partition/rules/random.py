@@ -8,6 +8,7 @@ which rbg draws bits and unsafe_rbg does everything, draws a whole key array's b
 first key (JAX's batching rule), so there the op runs on the whole key array."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -42,6 +43,20 @@ def gamma(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   dims = b.factors(op.outputs[0].shape)
   return b.build([dims[:op.inputs[0].aval.ndim], dims], [dims])
+
+
+def poisson(op: Op) -> OpShardingRule:
+  """Per element of lam, keyed by its key's dims (lam's leading ones); the rest drawn at their
+  positions (local.random_poisson) where threefry bits are (``by_position``), else whole per
+  key."""
+  if not _per_key(op):
+    return replicated_rule(op)
+  b = RuleBuilder()
+  shape, keys = op.outputs[0].shape, op.inputs[0].aval.ndim
+  by_key = b.factors(shape[:keys])
+  drawn = b.factors(shape[keys:], FactorKind.PASS if by_position(op.inputs[0].aval)
+                    and math.prod(shape[keys:]) < 2 ** 32 else WHOLE)
+  return b.build([by_key, by_key + drawn], [by_key + drawn])
 
 
 def by_position(key: Any) -> bool:
