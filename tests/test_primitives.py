@@ -873,6 +873,38 @@ def test_scatter_max_and_min_of_split_updates_combine_by_max_and_min(name):
   no_more_than_xla(fn, args, specs, mesh)
 
 
+def _embedding_loss(table, tokens, w):
+  return jnp.sum(jnp.tanh(table[tokens] @ w))
+
+
+SMALL_UPDATES = {  # (fn, args, specs, mesh, the result's bytes): updates and indices both split
+    "add": (lambda x, i, u: x.at[i].add(u), (randn(16, 8), indices(16, 4), randn(4, 8, seed=1)),
+            (P(), P(), P("x")), "x8", 512),
+    "subtract": (lambda x, i, u: x.at[i].subtract(u),
+                 (randn(16, 8), indices(16, 4), randn(4, 8, seed=1)), (P(), P(), P("x")), "x8",
+                 512),
+    "segment_sum_uneven": (lambda d, s: jax.ops.segment_sum(d, s, num_segments=64),
+                           (randn(6, 8), indices(64, 6)), (P("x"), P("x")), "x4", 2048),
+    "embedding_gradient": (jax.grad(_embedding_loss),
+                           (randn(512, 64), indices(512, 8, 8), randn(64, 64, seed=1)),
+                           (P(), P("x"), P()), "x8", 131072),
+    "embedding_gradient_2d": (jax.grad(_embedding_loss),
+                              (randn(512, 64), indices(512, 8, 8), randn(64, 64, seed=1)),
+                              (P(None, "b"), P("a"), P("b", None)), "a2b4", 32768),
+}
+
+
+@pytest.mark.parametrize("name", SMALL_UPDATES)
+def test_a_scatter_gathers_updates_smaller_than_its_result(name):
+  """Updates split in every operand holding them (the tokens' rows of an embedding's gradient,
+  whose tokens are split over the batch) are gathered and applied on every device where they
+  are smaller than the result, rather than each device's share summed over the whole result,
+  which XLA all-reduces (embedding gradient on x8: 16,640 B, XLA 131,072 B)."""
+  fn, args, specs, mesh, result_bytes = SMALL_UPDATES[name]
+  plan = no_more_than_xla(fn, args, specs, mesh)
+  assert plan.total_bytes < result_bytes // 2, plan.explain()
+
+
 @pytest.mark.parametrize("mode", [lax.GatherScatterMode.CLIP,
                                   lax.GatherScatterMode.PROMISE_IN_BOUNDS])
 @pytest.mark.parametrize("mesh,sx", [("x8", P("x")), ("a2b4", P("a", "b")), ("a2b4", P("b"))])

@@ -194,10 +194,10 @@ class ExecutionPlanner:
                                         operands_first))
     if c.rule.gathers:  # or its reduced dims gathered whole (less where a shard holds one row)
       choices.update(dict.fromkeys(_without_reductions(axes, c.rule) for axes in list(choices)))
-    one_sided = _one_sided_reductions(c.rule, from_operands)
-    if one_sided:  # or those gathered where they would slice another operand and reduce the
+    gatherable = _gatherable_reductions(c.rule, from_operands)
+    if gatherable:  # or those gathered where they would slice another operand and reduce the
       # result (XLA's dot: x.T @ y of x P('a','b'), y P(), gathers x's 'a', 128 B, not 256 B)
-      choices.update(dict.fromkeys(_without_reductions(axes, c.rule, one_sided)
+      choices.update(dict.fromkeys(_without_reductions(axes, c.rule, gatherable)
                                    for axes in list(choices)))
     if c.rule.relocatable:  # or the axes of the dims it needs whole moved to a pass dim first
       choices.update(dict.fromkeys(moved for axes in list(choices)
@@ -352,13 +352,15 @@ def _without_reductions(axes: tuple[Axes, ...], rule: OpShardingRule,
                for f, (a, k) in enumerate(zip(axes, rule.kinds)))
 
 
-def _one_sided_reductions(rule: OpShardingRule, from_operands: _Projected) -> frozenset[int]:
-  """The reduction factors sharded in some operands holding them and whole in others. (Where
-  every operand holds one sharded, as a data-parallel gradient's batch, the op reduces locally
-  and sums: gathering them would repeat the op's work on every device.)"""
+def _gatherable_reductions(rule: OpShardingRule, from_operands: _Projected) -> frozenset[int]:
+  """The sharded reduction factors the op may gather whole rather than sum its partial results:
+  those whole in some operands holding them, and any where the op is cheap to repeat
+  (``rule.repeatable``: a scatter). (Where every operand of a dot holds one sharded, as a
+  data-parallel gradient's batch, the dot reduces locally and sums: gathering them would repeat
+  its work on every device.)"""
   return frozenset(f for f, k in enumerate(rule.kinds) if k is FactorKind.REDUCTION
                    and f in from_operands and any(a for _, a in from_operands[f])
-                   and not all(a for _, a in from_operands[f]))
+                   and (rule.repeatable or not all(a for _, a in from_operands[f])))
 
 
 def _relocations(axes: tuple[Axes, ...], rule: OpShardingRule,

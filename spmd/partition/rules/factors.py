@@ -45,6 +45,10 @@ class OpShardingRule:
   # factor holds every pass factor. Propagation gives the results Shardy's sharding, as jax.jit's
   # outputs (a sort's sorted dim keeps its axes: propagate._kept).
   relocatable: bool = False
+  # An op cheap to run again on every device (a scatter, applying its updates): it may gather
+  # its operands' sharded reduction factors whole where that moves less than summing its partial
+  # results (an embedding's gradient: the token rows' updates, not the table).
+  repeatable: bool = False
   # A loop carry's link: the tensors (by position) outside the loop, its init and result. Each is
   # resharded once whatever the carry is, so it ranks after the body's input and output, closed or
   # not (XLA keeps a carry as its body shards it), where every trip would reshard.
@@ -113,12 +117,12 @@ class RuleBuilder:
   def build(self, operands: Sequence[Sequence[object] | None],
             results: Sequence[Sequence[object] | None], pass_through: bool = False,
             combiner: str = "sum", gathers: tuple[Any, ...] = (),
-            relocatable: bool = False, broadcast: bool = False, outside: tuple[int, ...] = ()
-            ) -> OpShardingRule:
+            relocatable: bool = False, broadcast: bool = False, outside: tuple[int, ...] = (),
+            repeatable: bool = False) -> OpShardingRule:
     return OpShardingRule(tuple(_tensor(t) for t in operands), tuple(_tensor(t) for t in results),
                           tuple(self.sizes), tuple(self.kinds), pass_through, broadcast,
                           combiner, windows=tuple(self.windows), gathers=gathers,
-                          relocatable=relocatable, outside=outside)
+                          relocatable=relocatable, repeatable=repeatable, outside=outside)
 
 
 def _tensor(dims: Sequence[object] | None) -> TensorFactors | None:

@@ -197,7 +197,8 @@ def scatter(combiner: str | None) -> Callable[[Op], OpShardingRule]:
   combine by a ``combiner`` ("sum": scatter-add and -sub; "max", "min") the scatter batch dims
   of updates and indices are reductions (each device applies its part of the updates, the
   results combine: summed, each device but one adding to zeros; or their max or min, every
-  device's from the operand, which max and min may count several times)."""
+  device's from the operand, which max and min may count several times), or gathered whole
+  where they are smaller than the result (OpShardingRule.repeatable)."""
   return functools.partial(_scatter, combiner=combiner)
 
 
@@ -224,7 +225,7 @@ def _scatter(op: Op, combiner: str | None) -> OpShardingRule:
     index_dims[idim] = update_dims[ud] = f
   rest = [None] * (len(op.inputs) - 3)
   return b.build([operand_dims, index_dims, update_dims] + rest, [operand_dims],
-                 combiner=combiner or "sum")
+                 combiner=combiner or "sum", repeatable=True)
 
 
 def _masked_reduction_ok(op: Op) -> bool:
