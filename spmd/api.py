@@ -106,6 +106,7 @@ class _Compiled:
   fn: Callable         # the jitted program over flat leaves (no custom derivative)
   traced: Callable     # ``fn`` for traced leaves: in a jit without in_shardings
   call: Callable       # ``traced`` with a partitioned backward pass, for jax.grad / jax.vjp
+  forward: Callable    # ``traced`` with a partitioned JVP, for jax.jvp / jacfwd (forward mode)
   out_tree: Any
   steady: bool         # called as compiled ahead of time: inputs split evenly, one process
   watched: tuple[int, ...]  # leaves whose plan depends on whether they arrive committed
@@ -299,6 +300,9 @@ class Partitioned:
       sys.modules["flax.nnx"].update(nodes, state)  # the modules' updates, as nnx.jit does
       return out
     structure, leaves = _structure(args, self.static_argnums)
+    staged = under_jit()  # on its arguments, concrete ones too (as of a jit closing over them)
+    if staged:
+      structure = None
     if structure is not None:
       structure = (structure, self._rules.rules, _in_mesh_context(self.mesh), trace_context())
     steady = self._steady.get(structure) if structure is not None else None
@@ -310,8 +314,9 @@ class Partitioned:
     compiled = self._dispatch.get(key) if key is not None else None
     if compiled is None:
       compiled, leaves = self._compile(args)
-      # Only traced arguments are differentiated: concrete calls skip the custom_vjp wrapper.
-      if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      # Only traced or staged arguments are differentiated: eager calls on concrete ones skip
+      # the custom_vjp wrapper.
+      if staged or any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
         if _only_partial_eval(leaves):
           # jax.linear_transpose traces the call with unknown inputs, and has no transpose
           # for a custom_vjp: JAX's own rules transpose the partitioned program.
@@ -321,10 +326,9 @@ class Partitioned:
         except TypeError as e:
           if not _refuses_forward_mode(e):
             raise
-        # Forward mode (jax.jvp, jacfwd, hessian), which JAX refuses through a custom_vjp:
-        # JAX's own rules differentiate the partitioned program, its tangents running through
-        # the same collectives.
-        return compiled.outputs(self._run_traced(compiled, compiled.traced, leaves))
+        # Forward mode (jax.jvp, jacfwd, hessian), which JAX refuses through a custom_vjp: the
+        # original function's JVP, partitioned.
+        return compiled.outputs(self._run_traced(compiled, compiled.forward, leaves))
       if key is not None:
         self._dispatch[key] = compiled
     leaves = self._placed(compiled.analysis, leaves)
@@ -554,6 +558,7 @@ class Partitioned:
     traced = jax.jit(fn)
     return _Compiled(analysis, fn, traced,
                      self._differentiable(fn, traced, flat_fun, analysis, cotangents),
+                     self._forward(traced, flat_fun, analysis),
                      out_tree, steady, watched, graph_out, in_tree,
                      tuple(k for k, i in enumerate(dyn_idx) if i in donated_args),
                      in_shardings if even else None, out_shardings)
@@ -634,11 +639,7 @@ class Partitioned:
             [cotangents[i] for i in in_diff], (), (), self.backend))
       # leaves typed on the mesh's Auto twin (by _run_traced, under an Explicit context): the
       # backward program runs there too, so the gradients come back typed as the leaves are
-      auto = [m for m in (jax.typeof(x).sharding.mesh for x in leaves)
-              if not m.empty and not m.explicit_axes]
-      explicit = jax.sharding.get_abstract_mesh().explicit_axes
-      with (jax.sharding.use_abstract_mesh(auto[0]) if auto and explicit
-            else contextlib.nullcontext()):
+      with _on_leaves_mesh(leaves):
         grads = backward[0]([leaves[i] for i in in_diff],
                             [x for i, x in enumerate(leaves) if i not in in_diff],
                             [cts[j] for j in out_diff])
@@ -648,6 +649,51 @@ class Partitioned:
       return tuple(out)
 
     call.defvjp(fwd, bwd)
+    return call
+
+  def _forward(self, traced: Callable, flat_fun: Callable, analysis: Analysis) -> Callable:
+    """``traced`` whose JVP is the JVP of the original function, partitioned the same way
+    (tangents sharded as their primals): forward mode (jax.jvp, jacfwd, hessian), which JAX
+    refuses through ``_differentiable``'s custom_vjp, then honours the function's custom_jvp
+    rules and linear solves, which the partitioned program has inlined as their primal bodies."""
+    in_specs = [s.to_spec() for s in analysis.schedule.inputs]
+    out_specs = [s.to_spec() for s in analysis.schedule.outputs]
+    program = analysis.program
+    in_diff = [i for i, v in enumerate(program.inputs) if _inexact(v.aval)]
+    out_diff = [j for j, x in enumerate(program.outputs) if _inexact(x.aval)]
+    forward: list[Partitioned] = []
+
+    def pushforward(primals: list, others: list, tangents: list) -> tuple[list, list]:
+      def f(*diff: Any) -> list:
+        full = list(others)
+        for i, x in zip(in_diff, diff):
+          full.insert(i, x)
+        return flat_fun(*full)
+
+      outs, out_tangents = jax.jvp(f, tuple(primals), tuple(tangents))
+      return list(outs), [out_tangents[j] for j in out_diff]
+
+    @jax.custom_jvp
+    def call(*leaves: Any) -> Any:
+      return traced(*leaves)
+
+    @call.defjvp
+    def jvp(leaves: tuple, tangents: tuple) -> tuple:
+      if not forward:
+        diff_specs = [in_specs[i] for i in in_diff]
+        forward.append(Partitioned(
+            pushforward, self.mesh,
+            (diff_specs, [s for i, s in enumerate(in_specs) if i not in in_diff], diff_specs),
+            (out_specs, [out_specs[j] for j in out_diff]), (), (), self.backend))
+      with _on_leaves_mesh(leaves):
+        outs, diff_tangents = forward[0]([leaves[i] for i in in_diff],
+                                         [x for i, x in enumerate(leaves) if i not in in_diff],
+                                         [tangents[i] for i in in_diff])
+      out_tangents = [np.zeros(x.aval.shape, jax.dtypes.float0) for x in program.outputs]
+      for j, t in zip(out_diff, diff_tangents):
+        out_tangents[j] = t
+      return outs, out_tangents
+
     return call
 
   def _placed(self, analysis: Analysis, leaves: Sequence[Any]) -> Sequence[Any]:
@@ -1131,6 +1177,17 @@ def _weak_types(leaves: Sequence[Any]) -> tuple[bool, ...]:
 
 def _committed(leaf: Any) -> bool:
   return getattr(leaf, "committed", False)
+
+
+def _on_leaves_mesh(leaves: Sequence[Any]) -> contextlib.AbstractContextManager:
+  """Under a context mesh with Explicit axes, that mesh's Auto twin where ``leaves`` are typed on
+  it (by ``_run_traced``): a derivative's program runs there too, its results typed as the
+  leaves are."""
+  auto = [m for m in (jax.typeof(x).sharding.mesh for x in leaves)
+          if not m.empty and not m.explicit_axes]
+  explicit = jax.sharding.get_abstract_mesh().explicit_axes
+  return (jax.sharding.use_abstract_mesh(auto[0]) if auto and explicit
+          else contextlib.nullcontext())
 
 
 def _only_partial_eval(leaves: Sequence[Any]) -> bool:

@@ -531,6 +531,74 @@ def test_forward_mode_of_partitioned_programs(mesh, name):
         rtol=1e-5, atol=1e-5)
 
 
+@jax.custom_jvp
+def _sin_with_a_doubled_derivative(v):
+  return jnp.sin(v)
+
+
+_sin_with_a_doubled_derivative.defjvp(
+    lambda p, t: (_sin_with_a_doubled_derivative(p[0]), 2 * jnp.cos(p[0]) * t[0]))
+
+CUSTOM_FORWARD = {  # name: (fn, args, in_specs)
+    "custom_jvp": (lambda v, w: jnp.sum(_sin_with_a_doubled_derivative(v @ w) ** 2),
+                   (randn(8, 8), randn(8, 4, seed=1)), (P("data", "model"), P("model"))),
+    "solve": (lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2),
+              (4 * np.eye(8, dtype=np.float32) + 0.3, randn(8, 6, seed=1)), (P(), P("model"))),
+    "inv": (lambda a, x: jnp.sum(jnp.tanh(jnp.linalg.inv(a) @ x)),
+            (4 * np.eye(8, dtype=np.float32) + randn(8, 8, seed=2) * 0.1, randn(8, 6, seed=1)),
+            (P(), P(None, "model"))),
+}
+
+
+@pytest.mark.parametrize("name", CUSTOM_FORWARD)
+def test_forward_mode_honours_custom_jvp_rules_and_linear_solves(mesh, name):
+  """jax.jvp, jacfwd and hessian of a partitioned function differentiate the function's own
+  JVP, partitioned: its custom_jvp rules hold, and a linear solve's tangent in its matrix (the
+  partitioned program inlines both as their primal bodies: jvp of a custom_jvp whose rule
+  doubles the derivative gave half, and solve's tangent in ``a`` was dropped)."""
+  fn, args, in_specs = CUSTOM_FORWARD[name]
+  partitioned = spmd.partition(fn, mesh=mesh, in_specs=in_specs)
+  tangents = tuple(jnp.cos(a) for a in args)
+  assert_trees_match(jax.jvp(partitioned, args, tangents), jax.jvp(fn, args, tangents),
+                     rtol=1e-4, atol=1e-5)
+  assert_trees_match(jax.jacfwd(partitioned, (0, 1))(*args), jax.jacfwd(fn, (0, 1))(*args),
+                     rtol=1e-4, atol=1e-5)
+  assert_trees_match(jax.hessian(partitioned)(*args), jax.hessian(fn)(*args), rtol=1e-3,
+                     atol=1e-4)
+  assert_trees_match(jax.grad(partitioned)(*args), jax.grad(fn)(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_forward_mode_of_a_custom_vjp_is_refused_as_by_jax(mesh):
+  """JAX refuses forward mode through a custom_vjp; so does a partitioned function holding one
+  (it differentiated the primal body, disagreeing with its own gradient)."""
+  @jax.custom_vjp
+  def halved_gradient(v):
+    return v
+
+  halved_gradient.defvjp(lambda v: (v, None), lambda _, g: (0.5 * g,))
+  fn = lambda v: jnp.sum(halved_gradient(v) ** 2)  # noqa: E731
+  partitioned = spmd.partition(fn, mesh=mesh, in_specs=P("data", "model"))
+  x = randn(8, 8)
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jax.jvp(fn, (x,), (x,))
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jax.jvp(partitioned, (x,), (x,))
+  assert_trees_match(jax.grad(partitioned)(x), jax.grad(fn)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_called_on_closed_over_arrays_inside_a_trace(mesh, partitioned_loss):
+  """A partitioned function called on concrete arrays inside a trace (a jit or a cond branch
+  closing over them): the placement of its arguments was staged, and the compiled program
+  refused the tracers that gave (JAX's "C++ jax jit execution path" error)."""
+  x, w = jnp.asarray(X), jnp.asarray(W)  # on one device: placed on the mesh by the call
+  want = loss(X, W)
+  for _ in range(2):  # before and after an eager call has made the steady path
+    assert_trees_match(jax.jit(lambda: partitioned_loss(x, w))(), want, rtol=1e-5, atol=1e-6)
+    assert_trees_match(jax.lax.cond(True, lambda: partitioned_loss(x, w),
+                                    lambda: partitioned_loss(-x, w)), want, rtol=1e-5, atol=1e-6)
+    assert_trees_match(partitioned_loss(x, w), want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_partitioned_function_calling_another(mesh, partitioned_loss):
   def outer(x, w):
     return partitioned_loss(x * 2, w) + jnp.sum(x)
