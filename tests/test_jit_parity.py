@@ -568,6 +568,19 @@ def test_forward_mode_honours_custom_jvp_rules_and_linear_solves(mesh, name):
   assert_trees_match(jax.grad(partitioned)(*args), jax.grad(fn)(*args), rtol=1e-4, atol=1e-5)
 
 
+def test_forward_mode_weighs_extrema_tied_across_devices_as_jax():
+  """A row's maximum held twice by one device and once by another: JAX's tangent averages the
+  three positions (the partitioned program's all-reduce of the max averaged the two devices'
+  own averages, 1.25 where JAX gives 1)."""
+  h = np.zeros((4, 16), np.float32)
+  h[:, :3] = 5.0  # columns 0 and 1 on the first of 8 devices, 2 on the second
+  t = np.arange(64, dtype=np.float32).reshape(4, 16)
+  fn = lambda h: h.max(1)  # noqa: E731
+  partitioned = spmd.partition(fn, mesh=as_mesh("x8"), in_specs=P(None, "x"))
+  assert_trees_match(jax.jvp(partitioned, (h,), (t,)), jax.jvp(fn, (h,), (t,)), rtol=1e-6,
+                     atol=0)
+
+
 def test_forward_mode_of_a_custom_vjp_is_refused_as_by_jax(mesh):
   """JAX refuses forward mode through a custom_vjp; so does a partitioned function holding one
   (it differentiated the primal body, disagreeing with its own gradient)."""
