@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.interpreters import partial_eval
+from jax.interpreters import ad, partial_eval
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
@@ -321,13 +321,15 @@ class Partitioned:
           # jax.linear_transpose traces the call with unknown inputs, and has no transpose
           # for a custom_vjp: JAX's own rules transpose the partitioned program.
           return compiled.outputs(self._run_traced(compiled, compiled.traced, leaves))
-        try:
-          return compiled.outputs(self._run_traced(compiled, compiled.call, leaves))
-        except TypeError as e:
-          if not _refuses_forward_mode(e):
-            raise
         # Forward mode (jax.jvp, jacfwd, hessian), which JAX refuses through a custom_vjp: the
-        # original function's JVP, partitioned.
+        # original function's JVP, partitioned. Seen on the leaves (JVP tracers), or raised by
+        # JAX for a JVP outside another transformation's (jacfwd of jacrev: a linearization).
+        if not any(isinstance(leaf, ad.JVPTracer) for leaf in leaves):
+          try:
+            return compiled.outputs(self._run_traced(compiled, compiled.call, leaves))
+          except TypeError as e:
+            if not _refuses_forward_mode(e):
+              raise
         return compiled.outputs(self._run_traced(compiled, compiled.forward, leaves))
       if key is not None:
         self._dispatch[key] = compiled
@@ -620,6 +622,8 @@ class Partitioned:
       return traced(*leaves)
 
     def fwd(*leaves: Any) -> tuple:
+      if any(isinstance(x, jax.core.Tracer) for x in leaves):  # under another transformation
+        return traced(*leaves), leaves  # (an eager vmap: jax.hessian's) as the call runs
       # Under an eager jax.grad the primals are concrete: one committed with another sharding
       # than the program's input is placed first (a traced call cannot see its sharding).
       placed = [jax.device_put(x, NamedSharding(with_auto_axes(self.mesh), spec))

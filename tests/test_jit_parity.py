@@ -475,6 +475,20 @@ def test_uneven_inputs_called_under_set_mesh(mesh):
                        jax.grad(lambda x: fn(x, w).sum())(x), rtol=1e-5, atol=1e-6)
 
 
+def test_hessian_under_set_mesh(mesh):
+  """jax.hessian (jacfwd over jacrev) of a partitioned function under ``jax.set_mesh``, whose
+  arrays are committed replicated: the gradient's forward pass ran its program with
+  in_shardings on the batched tangents of jacfwd's eager vmap, which JAX refused ("Sharding
+  passed to jit does not match the sharding on the respective arg")."""
+  fn = lambda x: (jnp.sin(x) ** 2).sum()  # noqa: E731
+  x = jnp.asarray(randn(8, 8))
+  with jax.set_mesh(mesh):
+    partitioned = spmd.partition(fn, in_specs=(P("data", "model"),))
+    assert_trees_match(jax.hessian(partitioned)(x), jax.hessian(fn)(x), rtol=1e-4, atol=1e-5)
+    assert_trees_match(jax.jacfwd(jax.grad(partitioned))(x), jax.jacfwd(jax.grad(fn))(x),
+                       rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [8, 6], ids=["even", "uneven"])
 def test_called_inside_jit_under_set_mesh_of_an_explicit_mesh(rows):
   """Inside ``jax.jit`` under ``jax.set_mesh`` of an Explicit mesh the results are typed on that
@@ -552,10 +566,11 @@ CUSTOM_FORWARD = {  # name: (fn, args, in_specs)
 
 @pytest.mark.parametrize("name", CUSTOM_FORWARD)
 def test_forward_mode_honours_custom_jvp_rules_and_linear_solves(mesh, name):
-  """jax.jvp, jacfwd and hessian of a partitioned function differentiate the function's own
-  JVP, partitioned: its custom_jvp rules hold, and a linear solve's tangent in its matrix (the
-  partitioned program inlines both as their primal bodies: jvp of a custom_jvp whose rule
-  doubles the derivative gave half, and solve's tangent in ``a`` was dropped)."""
+  """jax.jvp (under jax.jit too, and of a jvp), jacfwd and hessian of a partitioned function
+  differentiate the function's own JVP, partitioned: its custom_jvp rules hold, and a linear
+  solve's tangent in its matrix (the partitioned program inlines both as their primal bodies:
+  jvp of a custom_jvp whose rule doubles the derivative gave half, and solve's tangent in ``a``
+  was dropped; under jax.jit, and nested, JAX refused the custom_vjp serving reverse mode)."""
   fn, args, in_specs = CUSTOM_FORWARD[name]
   partitioned = spmd.partition(fn, mesh=mesh, in_specs=in_specs)
   tangents = tuple(jnp.cos(a) for a in args)
@@ -566,6 +581,11 @@ def test_forward_mode_honours_custom_jvp_rules_and_linear_solves(mesh, name):
   assert_trees_match(jax.hessian(partitioned)(*args), jax.hessian(fn)(*args), rtol=1e-3,
                      atol=1e-4)
   assert_trees_match(jax.grad(partitioned)(*args), jax.grad(fn)(*args), rtol=1e-4, atol=1e-5)
+  staged = lambda f: jax.jit(lambda *a: jax.jvp(f, a, tangents))  # noqa: E731
+  assert_trees_match(staged(partitioned)(*args), staged(fn)(*args), rtol=1e-4, atol=1e-5)
+  nested = lambda f: lambda a: jax.jvp(f, (a, *args[1:]), tangents)[1]  # noqa: E731
+  assert_trees_match(jax.jvp(nested(partitioned), args[:1], tangents[:1]),
+                     jax.jvp(nested(fn), args[:1], tangents[:1]), rtol=1e-3, atol=1e-4)
 
 
 def test_forward_mode_weighs_extrema_tied_across_devices_as_jax():

@@ -1157,6 +1157,13 @@ def test_random_without_partitionable_threefry(mesh, spec):
     assert_partitioned_matches(fn, (jax.random.key(42), randn(8, 16)), (P(), spec), mesh,
                                out_specs=(spec,) * 4, rtol=0, atol=0)
 
+  def inside(key, x):  # the setting inside the function, which JAX records per op
+    with jax.threefry_partitionable(False):
+      return fn(key, x)
+
+  assert_partitioned_matches(inside, (jax.random.key(42), randn(8, 16)), (P(), spec), mesh,
+                             out_specs=(spec,) * 4, rtol=0, atol=0)
+
 
 def test_a_call_under_other_jax_settings_traces_again():
   """As ``jax.jit``, a partitioned function traces and compiles again when called under other

@@ -126,6 +126,13 @@ def trace_context() -> tuple:
   return config.trace_context()
 
 
+def threefry_partitionable_at(eqn: Any) -> bool:
+  """``jax_threefry_partitionable`` where ``eqn`` was traced (each equation records the settings
+  around it: a ``with jax.threefry_partitionable(False)`` inside the function)."""
+  with eqn.ctx.manager:
+    return bool(jax.config.jax_threefry_partitionable)
+
+
 def under_jit() -> bool:
   """Whether the current trace stages a program out (``jax.jit``, ``jax.make_jaxpr``), rather
   than running eagerly (eager ``jax.grad`` and ``jax.vmap`` see concrete values)."""

@@ -351,7 +351,7 @@ def random_bits(local: Local, args: list) -> list:
   if key.ndim:  # a key array: each key's bits are whole (rules/random.py)
     return bind(local.op, args)
   global_shape = tuple(p["shape"])
-  if (not local.writes[0].axes or not by_position(local.op.inputs[0].aval)
+  if (not local.writes[0].axes or not by_position(local.op)
       or math.prod(global_shape) >= 2 ** 32 or p["bit_width"] == 64):
     return _whole_then_slice(local, args)
   counts = _flat_positions(local, 0)

@@ -7,6 +7,7 @@ read the loop invariants made before them (ir.py).
 """
 from __future__ import annotations
 
+import contextlib
 from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping, Sequence
@@ -18,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from spmd.mesh import with_auto_axes
 from spmd.partition.fold import const_arrays
-from spmd.partition.ir import Atom, Literal, Value
-from spmd.partition.jax_compat import weakly_typed
+from spmd.partition.ir import Atom, Literal, Op, Value
+from spmd.partition.jax_compat import threefry_partitionable_at, weakly_typed
 from spmd.partition.local import Local, run_local
 from spmd.partition.primitives import describe
 from spmd.partition.uneven import mask_padding
@@ -150,8 +151,9 @@ class _Interpreter:
       else:
         ex = s.execution
         args = mask_padding(ex, s.op, s.reads, args, self.mesh)
-        outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh, ex.halos,
-                               env, self.aliases), args)
+        with _as_traced(s.op):
+          outs = run_local(Local(s.op, s.reads, s.writes, ex.partial_axes, self.mesh, ex.halos,
+                                 env, self.aliases), args)
       for v, w, out in zip(s.op.outputs, s.writes, outs):
         env[(v, w)] = out
 
@@ -162,3 +164,11 @@ class _Interpreter:
     self.ops(r.ops, env)
     self.transfers(r.exit, env)
     return [self.read(env, x, s) for x, s in zip(region.outputs, r.outputs)]
+
+
+def _as_traced(op: Op) -> contextlib.AbstractContextManager:
+  """For a random op, ``jax.threefry_partitionable`` as where it was traced (a ``with`` inside the
+  function sets it per op), which JAX's random ops read when bound."""
+  if not op.primitive.startswith("random_"):
+    return contextlib.nullcontext()
+  return jax.threefry_partitionable(threefry_partitionable_at(op.eqn))

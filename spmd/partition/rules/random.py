@@ -9,13 +9,11 @@ first key (JAX's batching rule), so there the op runs on the whole key array."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
-import jax
 from jax.extend.random import rbg_prng_impl, threefry_prng_impl
 
 from spmd.partition.ir import Op
-from spmd.partition.jax_compat import key_impl
+from spmd.partition.jax_compat import key_impl, threefry_partitionable_at
 from spmd.partition.primitives import replicated_rule
 from spmd.partition.rules.elementwise import elementwise
 from spmd.partition.rules.factors import FactorKind, OpShardingRule, RuleBuilder
@@ -54,16 +52,17 @@ def poisson(op: Op) -> OpShardingRule:
   b = RuleBuilder()
   shape, keys = op.outputs[0].shape, op.inputs[0].aval.ndim
   by_key = b.factors(shape[:keys])
-  drawn = b.factors(shape[keys:], FactorKind.PASS if by_position(op.inputs[0].aval)
+  drawn = b.factors(shape[keys:], FactorKind.PASS if by_position(op)
                     and math.prod(shape[keys:]) < 2 ** 32 else WHOLE)
   return b.build([by_key, by_key + drawn], [by_key + drawn])
 
 
-def by_position(key: Any) -> bool:
-  """Whether bits drawn from one key of ``key`` (an aval) are a function of their flat position
-  alone, so that each device can draw its block: threefry's, where
-  ``jax_threefry_partitionable`` holds (JAX's default)."""
-  return key_impl(key) is threefry_prng_impl and jax.config.jax_threefry_partitionable
+def by_position(op: Op) -> bool:
+  """Whether bits ``op`` draws from one key are a function of their flat position alone, so that
+  each device can draw its block: threefry's, where ``jax_threefry_partitionable`` holds where
+  the op was traced (JAX's default; a ``with`` inside the function sets it per op)."""
+  return (key_impl(op.inputs[0].aval) is threefry_prng_impl
+          and threefry_partitionable_at(op.eqn))
 
 
 def _per_key(op: Op) -> bool:
