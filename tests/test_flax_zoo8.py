@@ -376,7 +376,7 @@ def test_ogbg_messages_summed_into_nodes_over_data_no_more_than_xla():
 
 def test_ogbg_graph_network_grads_no_more_than_xla():
   """The graph network's loss and gradients on 4x2, nodes over "data", 24 edges over both
-  axes: 5952 B per device, XLA 6016 B. Each message's gradient, gathered from the nodes'
+  axes: 5920 B per device, XLA 6016 B (5952 B before a scatter could gather its updates). Each message's gradient, gathered from the nodes'
   gradient, all-gathers that operand (512 B) as XLA does; it was a masked local gather whose
   partial result was reduce-scattered (768 B), its reduction priced at a share of an add tree
   that also adds a value which is no partial sum (sum_trees.py), 6720 B in all."""
@@ -388,4 +388,4 @@ def test_ogbg_graph_network_grads_no_more_than_xla():
   fn = jax.value_and_grad(lambda params, graph: graph_loss(graphdef, params, graph))
   plan = no_more_than_xla(fn, (params, padded_graphs([4, 6, 3], 24, 16, seed=0)), (None, spec),
                           as_mesh(MESH_4X2), rtol=1e-4, atol=1e-5)
-  assert plan.total_bytes == 5952, plan.explain()
+  assert plan.total_bytes == 5920, plan.explain()
