@@ -161,6 +161,34 @@ class _Compiled:
 
 
 @dataclass(frozen=True)
+class _Differentiated:
+  """A program's inputs and outputs that derivatives flow through (inexact ones, by position),
+  and every input's and output's spec."""
+  in_specs: tuple[P, ...]
+  out_specs: tuple[P, ...]
+  in_diff: tuple[int, ...]
+  out_diff: tuple[int, ...]
+
+  @staticmethod
+  def of(analysis: Analysis) -> _Differentiated:
+    program = analysis.program
+    return _Differentiated(
+        tuple(s.to_spec() for s in analysis.schedule.inputs),
+        tuple(s.to_spec() for s in analysis.schedule.outputs),
+        tuple(i for i, v in enumerate(program.inputs) if _inexact(v.aval)),
+        tuple(j for j, x in enumerate(program.outputs) if _inexact(x.aval)))
+
+  def of_differentiated(self, flat_fun: Callable, others: Sequence[Any]) -> Callable:
+    """``flat_fun`` of the differentiated inputs, the ``others`` fixed."""
+    def f(*diff: Any) -> list:
+      full = list(others)
+      for i, x in zip(self.in_diff, diff):
+        full.insert(i, x)
+      return flat_fun(*full)
+    return f
+
+
+@dataclass(frozen=True)
 class _Steady:
   """What a call with a known argument structure tries first: ``compiled.executable`` on its
   leaves, when what that executable does not check and the plan depends on is as it was: the
@@ -597,21 +625,13 @@ class Partitioned:
     """``fn`` whose VJP is the VJP of the original function, partitioned the same way (inputs'
     cotangents sharded like the inputs, outputs' like the outputs). The inputs' cotangents come
     back with ``cotangents`` (as ``jax.grad`` of ``jax.jit`` returns them)."""
-    in_specs = [s.to_spec() for s in analysis.schedule.inputs]
-    out_specs = [s.to_spec() for s in analysis.schedule.outputs]
+    d = _Differentiated.of(analysis)
+    in_specs, out_specs, in_diff, out_diff = d.in_specs, d.out_specs, d.in_diff, d.out_diff
     program = analysis.program
-    in_diff = [i for i, v in enumerate(program.inputs) if _inexact(v.aval)]
-    out_diff = [j for j, x in enumerate(program.outputs) if _inexact(x.aval)]
     backward: list[Partitioned] = []
 
     def pullback(primals: list, others: list, cts: list) -> list:
-      def f(*diff: Any) -> list:
-        full = list(others)
-        for i, x in zip(in_diff, diff):
-          full.insert(i, x)
-        return flat_fun(*full)
-
-      _, vjp = jax.vjp(f, *primals)
+      _, vjp = jax.vjp(d.of_differentiated(flat_fun, others), *primals)
       all_cts = [np.zeros(x.aval.shape, jax.dtypes.float0) for x in program.outputs]
       for j, ct in zip(out_diff, cts):
         all_cts[j] = ct
@@ -660,21 +680,14 @@ class Partitioned:
     (tangents sharded as their primals): forward mode (jax.jvp, jacfwd, hessian), which JAX
     refuses through ``_differentiable``'s custom_vjp, then honours the function's custom_jvp
     rules and linear solves, which the partitioned program has inlined as their primal bodies."""
-    in_specs = [s.to_spec() for s in analysis.schedule.inputs]
-    out_specs = [s.to_spec() for s in analysis.schedule.outputs]
+    d = _Differentiated.of(analysis)
+    in_specs, out_specs, in_diff, out_diff = d.in_specs, d.out_specs, d.in_diff, d.out_diff
     program = analysis.program
-    in_diff = [i for i, v in enumerate(program.inputs) if _inexact(v.aval)]
-    out_diff = [j for j, x in enumerate(program.outputs) if _inexact(x.aval)]
     forward: list[Partitioned] = []
 
     def pushforward(primals: list, others: list, tangents: list) -> tuple[list, list]:
-      def f(*diff: Any) -> list:
-        full = list(others)
-        for i, x in zip(in_diff, diff):
-          full.insert(i, x)
-        return flat_fun(*full)
-
-      outs, out_tangents = jax.jvp(f, tuple(primals), tuple(tangents))
+      outs, out_tangents = jax.jvp(d.of_differentiated(flat_fun, others), tuple(primals),
+                                   tuple(tangents))
       return list(outs), [out_tangents[j] for j in out_diff]
 
     @jax.custom_jvp
@@ -688,7 +701,7 @@ class Partitioned:
         forward.append(Partitioned(
             pushforward, self.mesh,
             (diff_specs, [s for i, s in enumerate(in_specs) if i not in in_diff], diff_specs),
-            (out_specs, [out_specs[j] for j in out_diff]), (), (), self.backend))
+            (list(out_specs), [out_specs[j] for j in out_diff]), (), (), self.backend))
       with _on_leaves_mesh(leaves):
         outs, diff_tangents = forward[0]([leaves[i] for i in in_diff],
                                          [x for i, x in enumerate(leaves) if i not in in_diff],
