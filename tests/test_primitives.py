@@ -10,6 +10,7 @@ Runs on the default backend; ``SPMD_TEST_BACKEND=xla`` runs the same cases on ba
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -356,6 +357,39 @@ def test_integer_dot():
   fn = lambda a, b: (a @ b, lax.dot(a, b, preferred_element_type=jnp.int32))  # noqa: E731
   assert_partitioned_matches(fn, (ints(8, 16), ints(16, 8, seed=1)), (P("a", "b"), P("b", "a")),
                              "a2b4")
+
+
+ELEMENTWISE_DOTS = [
+    # (equation, lhs shape, rhs shape, specs, dtype, preferred type)
+    ("a,a->a", (2,), (2,), (P("a"), None), np.int32, None),
+    ("ab,ab->ab", (8, 6), (8, 6), (P("a", "b"), P("b")), np.float32, None),
+    ("ab,ba->ab", (8, 6), (6, 8), (P(None, "a"), P(None, "b")), np.float32, None),
+    ("ab,ba->ba", (5, 4), (4, 5), (P("a"), P(None, ("b", "c"))), jnp.bfloat16, np.float32),
+    ("a,a->a", (6,), (6,), (P(ABC), None), np.int8, np.int32),
+]
+
+
+@pytest.mark.parametrize("eq,lhs,rhs,specs,dtype,preferred", ELEMENTWISE_DOTS,
+                         ids=[f"{e}-{np.dtype(d).name}" for e, _, _, _, d, _ in ELEMENTWISE_DOTS])
+def test_dot_of_batch_dims_only_is_a_product(eq, lhs, rhs, specs, dtype, preferred):
+  """A dot whose dims are all batch dims is a multiply (XLA's simplifier makes it one, and merges
+  it with an equal multiply): with ``x * y`` beside it, the two are one value, resharded once, and
+  the plan is that of the multiply alone."""
+  operands, out = eq.split("->")
+  orders = [[term.index(c) for c in out] for term in operands.split(",")]
+
+  def fn(x, y, dot=True):
+    dtype = jnp.promote_types(x.dtype, preferred or x.dtype)
+    product = x.transpose(orders[0]).astype(dtype) * y.transpose(orders[1]).astype(dtype)
+    first = jnp.einsum(eq, x, y, preferred_element_type=preferred) if dot else product
+    return jnp.argmax(first, axis=0), jnp.argmax(product, axis=0), first
+  x = ints(*lhs, low=-3, high=4).astype(dtype)
+  y = ints(*rhs, low=-3, high=4, seed=1).astype(dtype)
+  out_specs = (None, None, P(*([None] * (len(lhs) - 1)), "b"))
+  plan = assert_partitioned_matches(fn, (x, y), specs, "a2b2c2", out_specs)
+  alone = spmd.partition(functools.partial(fn, dot=False), mesh=spmd.make_mesh(
+      {"a": 2, "b": 2, "c": 2}), in_specs=specs, out_specs=out_specs).plan(x, y)
+  assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
 
 
 # --- reductions and scans ------------------------------------------------------------------------
