@@ -1304,6 +1304,18 @@ def test_identities_move_nothing(mesh, spec):
   assert not key.collectives
 
 
+@pytest.mark.parametrize("spec", [P(("a", "b")), P("b"), P("a", "b")])
+def test_barrier_results_nothing_reads_leave_it(spec):
+  """A Hessian through ``optimization_barrier((x @ w, x))`` passes ``x`` through a barrier
+  whose result only a dead part of the derivative reads: it leaves the barrier, and nothing
+  gathers it (XLA drops it too; before, the plan listed an all-gather XLA deleted)."""
+  def loss(x, w):
+    a, b = lax.optimization_barrier((x @ w, x))
+    return jnp.mean(jnp.tanh(a) ** 2) + jnp.mean(b * b)
+  assert_partitioned_matches(jax.hessian(loss), (randn(8, 8), 0.5 * randn(8, 8, seed=1)),
+                             (spec, P()), "a2b4", rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mesh,spec", [("x8", P(None, "x")), ("x8", P("x")),
                                        ("a2b4", P("a", "b")), ("a2b4", P(None, ("a", "b")))])
 def test_unstack(mesh, spec):

@@ -299,6 +299,8 @@ def _prune(ops: list[Op], outputs: tuple[Atom, ...]) -> list[Op]:
       _drop_dead_branch_outputs(op, live)
     if op.primitive == "shard_map":
       op = _without_dead_manual_outputs(op, live)
+    if op.primitive == "optimization_barrier":
+      op = _without_dead_barrier_outputs(op, live)
     if op.primitive in ("scan", "while"):
       _pass_dead_carries_through(op, live)
     for region in op.regions:
@@ -332,6 +334,19 @@ def _without_dead_manual_outputs(shard_map: Op, live: set) -> Op:
                               outvars=[v for v, u in zip(shard_map.eqn.outvars, used) if u])
   return replace(shard_map, params=params, eqn=eqn,
                  outputs=tuple(v for v, u in zip(shard_map.outputs, used) if u))
+
+
+def _without_dead_barrier_outputs(barrier: Op, live: set) -> Op:
+  """An ``optimization_barrier`` without the results nothing reads, nor their operands (XLA
+  drops them when it expands the barrier: a Hessian's barrier passing a value only a dead
+  branch of the derivative reads)."""
+  used = [v in live for v in barrier.outputs]
+  if all(used):
+    return barrier
+  keep = lambda xs: [x for x, u in zip(xs, used) if u]  # noqa: E731
+  eqn = barrier.eqn.replace(invars=keep(barrier.eqn.invars), outvars=keep(barrier.eqn.outvars))
+  return replace(barrier, eqn=eqn, inputs=tuple(keep(barrier.inputs)),
+                 outputs=tuple(keep(barrier.outputs)))
 
 
 def _drop_dead_branch_outputs(cond: Op, live: set) -> None:
