@@ -359,37 +359,60 @@ def test_integer_dot():
                              "a2b4")
 
 
-ELEMENTWISE_DOTS = [
-    # (equation, lhs shape, rhs shape, specs, dtype, preferred type)
-    ("a,a->a", (2,), (2,), (P("a"), None), np.int32, None),
-    ("ab,ab->ab", (8, 6), (8, 6), (P("a", "b"), P("b")), np.float32, None),
-    ("ab,ba->ab", (8, 6), (6, 8), (P(None, "a"), P(None, "b")), np.float32, None),
-    ("ab,ba->ba", (5, 4), (4, 5), (P("a"), P(None, ("b", "c"))), jnp.bfloat16, np.float32),
-    ("a,a->a", (6,), (6,), (P(ABC), None), np.int8, np.int32),
+PRODUCT_DOTS = [
+    # (equation, shape, specs, dtype)
+    ("a,a->a", (2,), (P("a"), None), np.int32),
+    ("ab,ab->ab", (8, 6), (P("a", "b"), P("b")), np.float32),
+    ("abc,abc->abc", (5, 4, 3), (P("a", None, "c"), P(None, ("b", "c"))), jnp.bfloat16),
+    ("a,a->a", (6,), (P(ABC), None), np.int8),
 ]
 
 
-@pytest.mark.parametrize("eq,lhs,rhs,specs,dtype,preferred", ELEMENTWISE_DOTS,
-                         ids=[f"{e}-{np.dtype(d).name}" for e, _, _, _, d, _ in ELEMENTWISE_DOTS])
-def test_dot_of_batch_dims_only_is_a_product(eq, lhs, rhs, specs, dtype, preferred):
-  """A dot whose dims are all batch dims is a multiply (XLA's simplifier makes it one, and merges
-  it with an equal multiply): with ``x * y`` beside it, the two are one value, resharded once, and
-  the plan is that of the multiply alone."""
-  operands, out = eq.split("->")
-  orders = [[term.index(c) for c in out] for term in operands.split(",")]
-
+@pytest.mark.parametrize("commuted", [False, True], ids=["x*y", "y*x"])
+@pytest.mark.parametrize("eq,shape,specs,dtype", PRODUCT_DOTS,
+                         ids=[f"{e}-{np.dtype(d).name}" for e, _, _, d in PRODUCT_DOTS])
+def test_dot_of_batch_dims_only_is_a_product(eq, shape, specs, dtype, commuted):
+  """A dot whose dims are all batch dims, in order, is a multiply (XLA's simplifier makes it
+  one, and its CSE merges it with an equal multiply, operands in either order): the two are one
+  value, resharded once, and the plan is that of the multiply alone."""
   def fn(x, y, dot=True):
-    dtype = jnp.promote_types(x.dtype, preferred or x.dtype)
-    product = x.transpose(orders[0]).astype(dtype) * y.transpose(orders[1]).astype(dtype)
-    first = jnp.einsum(eq, x, y, preferred_element_type=preferred) if dot else product
+    product = y * x if commuted else x * y
+    first = jnp.einsum(eq, x, y) if dot else x * y
     return jnp.argmax(first, axis=0), jnp.argmax(product, axis=0), first
-  x = ints(*lhs, low=-3, high=4).astype(dtype)
-  y = ints(*rhs, low=-3, high=4, seed=1).astype(dtype)
-  out_specs = (None, None, P(*([None] * (len(lhs) - 1)), "b"))
+  x = ints(*shape, low=-3, high=4).astype(dtype)
+  y = ints(*shape, low=-3, high=4, seed=1).astype(dtype)
+  out_specs = (None, None, P(*([None] * (len(shape) - 1)), "b"))
   plan = assert_partitioned_matches(fn, (x, y), specs, "a2b2c2", out_specs)
   alone = spmd.partition(functools.partial(fn, dot=False), mesh=spmd.make_mesh(
       {"a": 2, "b": 2, "c": 2}), in_specs=specs, out_specs=out_specs).plan(x, y)
   assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
+
+
+@pytest.mark.parametrize("name", ["mul", "add", "einsum", "eq"])
+def test_commuted_operands_are_one_computation(name):
+  """``x * y`` and ``y * x`` (``+``, ``==``, a batch-only einsum) are one value, as XLA's CSE
+  merges them: resharded once, in the plan as in the compiled program."""
+  op = {"mul": jnp.multiply, "add": jnp.add, "eq": jnp.equal,
+        "einsum": functools.partial(jnp.einsum, "ab,ab->ab")}[name]
+  plan = assert_partitioned_matches(lambda x, y: (op(x, y), op(y, x)),
+                                    (randn(8, 6), randn(8, 6, seed=1)),
+                                    (P("a", "b"), P("b", "a")), "a2b4")
+  alone = assert_partitioned_matches(lambda x, y: op(x, y), (randn(8, 6), randn(8, 6, seed=1)),
+                                     (P("a", "b"), P("b", "a")), "a2b4")
+  assert plan.total_bytes == alone.total_bytes, plan.explain()
+
+
+@pytest.mark.parametrize("dtype,preferred", [(np.float32, np.int32), (np.float32, jnp.bfloat16),
+                                             (jnp.bfloat16, np.float16), (np.int8, np.int32)])
+def test_dot_of_batch_dims_only_into_another_type(dtype, preferred):
+  """A batch-only dot with another result type multiplies in its operands' type, as XLA's
+  simplifier does, and is no multiply of converted operands (which truncates them first)."""
+  x = (10 * randn(8, 6)).astype(dtype)
+  y = (10 * randn(8, 6, seed=1)).astype(dtype)
+  dn = (((), ()), ((0, 1), (0, 1)))
+  assert_partitioned_matches(
+      lambda x, y: (lax.dot_general(x, y, dn, preferred_element_type=preferred), x * y),
+      (x, y), (P("a"), P("b")), "a2b4")
 
 
 # --- reductions and scans ------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive, jaxpr_as_fun
 
 from spmd.partition import local, manual, partly_manual
@@ -206,27 +205,6 @@ def select_tree(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] |
   return _traced_over(tree, inputs)
 
 
-def elementwise_dot(params: Mapping[str, Any], inputs: tuple) -> tuple[Any, tuple] | None:
-  """A ``dot_general`` whose dims are all batch dims (``einsum('a,a->a')``) is a ``mul`` of its
-  operands in the result's type, as XLA's simplifier rewrites it: it is then one value with an
-  equal ``mul`` (merged, as XLA merges them). Any other dot is the op itself (None)."""
-  (lhs_contract, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
-  lhs, rhs = inputs
-  if lhs_contract or len(lhs_batch) != lhs.aval.ndim or len(rhs_batch) != rhs.aval.ndim:
-    return None
-  dtype = params["preferred_element_type"]
-  if dtype is None and lhs.aval.dtype != rhs.aval.dtype:
-    return None
-  dtype = dtype or lhs.aval.dtype
-  if dtype == np.bool_:  # a product of bools is their ``and``, which XLA keeps a dot
-    return None
-
-  def product(x: jax.Array, y: jax.Array) -> jax.Array:
-    x = jax.lax.convert_element_type(jax.lax.transpose(x, lhs_batch), dtype)
-    return jax.lax.mul(x, jax.lax.convert_element_type(jax.lax.transpose(y, rhs_batch), dtype))
-  return _traced_over(product, inputs)
-
-
 LINALG = """cholesky cholesky_update eig eigh hessenberg householder_product lu qr geqrf geqp3
 ormqr schur svd symmetric_product triangular_solve tridiagonal""".split()
 
@@ -294,8 +272,7 @@ def _entries() -> list[tuple[tuple[str, ...], PrimitiveInfo]]:
       (("top_k",), PrimitiveInfo(sort.top_k)),
       (("approx_top_k",), PrimitiveInfo(sort.approx_top_k)),
       # contractions
-      (("dot_general",), PrimitiveInfo(dot.dot_general, Linearity((0, 1)),
-                                         inline=elementwise_dot)),
+      (("dot_general",), PrimitiveInfo(dot.dot_general, Linearity((0, 1)))),
       (("conv_general_dilated",), PrimitiveInfo(conv.conv_general_dilated, Linearity((0, 1)),
                                                 local.conv)),
       # indexing, slicing, padding

@@ -448,7 +448,8 @@ def _dedupe(ops: list[Op], outputs: tuple[Atom, ...]) -> tuple[list[Op], tuple[A
         alias[result] = source
         continue
       relaid[result] = source
-    key = _full_reduction_key(op, relaid) or (affine and affine.key()) or cse_key(op)
+    key = (_full_reduction_key(op, relaid) or (affine and affine.key()) or _commuted_key(op)
+           or cse_key(op))
     if key is not None and not op.regions and all(
         not isinstance(a, Value) or a in equal for a in op.inputs):
       first = seen.setdefault(cse_key(op, equal.__getitem__), op)
@@ -916,6 +917,39 @@ def _full_reduction_key(op: Op, relaid: Mapping[Value, Value]) -> tuple | None:
   rest = tuple((k, v) for k, v in sorted(op.params.items())
                if k != "axes" and k not in SHARDING_PARAMS)  # a scalar's: it names no axes
   return "full reduction", op.primitive, rest, relaid.get(x, x).id
+
+
+_COMMUTATIVE = {"add", "add_any", "mul", "and", "or", "xor", "eq", "ne"}
+
+
+def _commuted_key(op: Op) -> tuple | None:
+  """One key for a commutative binary op of two values whichever order they come in, and for a
+  ``dot_general`` whose dims are all batch dims in order, of one type (``einsum('a,a->a')``) as
+  the ``mul`` it is: XLA's simplifier makes that dot a multiply, and its CSE merges ``x * y``,
+  ``y * x`` and that dot, collectives included. None for any other op."""
+  if len(op.inputs) != 2 or not all(isinstance(a, Value) for a in op.inputs):
+    return None
+  primitive = op.primitive
+  if primitive == "dot_general" and _dot_is_product(op):
+    primitive = "mul"
+  if primitive not in _COMMUTATIVE or op.merge_params is None:
+    return None
+  if primitive == "add_any":
+    primitive = "add"
+  out = op.outputs[0].aval
+  return ("commuted", primitive, _aval_str(out), out.weak_type,
+          tuple(sorted(a.id for a in op.inputs)))
+
+
+def _dot_is_product(op: Op) -> bool:
+  """Whether a ``dot_general`` multiplies elementwise: every dim of both operands a batch dim,
+  in order, operands and result of one type, no sharding asked of its result."""
+  (contracting, _), (lhs_batch, rhs_batch) = op.params["dimension_numbers"]
+  lhs, rhs = (a.aval for a in op.inputs)
+  every = tuple(range(lhs.ndim))
+  return (not contracting and tuple(lhs_batch) == tuple(rhs_batch) == every
+          and lhs.shape == rhs.shape and lhs.dtype == rhs.dtype == op.outputs[0].aval.dtype
+          and not any(names_mesh_axes(op.params.get(k)) for k in SHARDING_PARAMS))
 
 
 def reshapes_in_effect(op: Op) -> bool:
