@@ -568,3 +568,19 @@ def test_a_transpose_of_one_element_blocks_reads_the_buffer_it_transposes():
   x0 = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (2, 2), dtype=np.int32))
   plan = assert_partitioned_matches(f, (x0,), (P(None, None),), "a2b2c2", (P(None), P(None)))
   assert plan.total_bytes == 16, plan.explain()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.float32])
+@pytest.mark.parametrize("spec", [P(None), None])
+def test_one_row_blocks_of_a_scaled_block_keep_the_scale(dtype, spec):
+  """XLA's simplifier folds a one-row dynamic slice of ``y * c`` (``y`` a dynamic slice of
+  32-bit integers) into a slice of ``y``'s operand, dropping the multiply; the one-row blocks a
+  concatenate's exchange takes of ``x * 10`` (itself a block of a gathered ``x``) came back as
+  ``x`` (property run, seed 48)."""
+  def f(x, z):
+    y = x * dtype(10)
+    return jnp.concatenate([y, z, z]), x + y, y
+  x = np.arange(1, 5).astype(dtype)
+  z = np.asarray([100, 200]).astype(dtype)
+  assert_partitioned_matches(f, (x, z), (P(("b", "c")), spec), "a2b2c2",
+                             out_specs=(P(("a", "c")), P(), P("a")))

@@ -786,7 +786,17 @@ class DynamicSlice(_Split):
 
   def run(self, x: jax.Array, mesh: MeshShape) -> jax.Array:
     size = x.shape[self.dim] // self.count(mesh)
+    if size == 1 and x.dtype in _MISFOLDED:
+      x = lax.optimization_barrier(x)
     return lax.dynamic_slice_in_dim(x, shard_index(self.axes) * size, size, self.dim)
+
+
+# XLA's simplifier (jaxlib 0.10.2 to 0.12.1, CPU) folds a one-row dynamic slice of ``y * c``,
+# ``y`` a dynamic slice of these 32-bit integers and ``c`` a constant, into a slice of ``y``'s
+# operand and drops the multiply (``jax.jit`` of ``lax.dynamic_slice(lax.dynamic_slice(x, (i,),
+# (2,)) * 10, (j,), (1,))`` returns ``x[i + j]``): a one-row block of them is sliced behind a
+# barrier, which that fold does not see through.
+_MISFOLDED = {jnp.dtype(jnp.int32), jnp.dtype(jnp.uint32)}
 
 
 @dataclass(frozen=True)
