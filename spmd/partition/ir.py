@@ -943,12 +943,14 @@ def _commuted_key(op: Op) -> tuple | None:
 
 def _dot_is_product(op: Op) -> bool:
   """Whether a ``dot_general`` multiplies elementwise: every dim of both operands a batch dim,
-  in order, operands and result of one type, no sharding asked of its result."""
+  in order, operands and result of one type, at the backend's default precision (another
+  precision or algorithm may round a float's operands first), no sharding asked of its result."""
   (contracting, _), (lhs_batch, rhs_batch) = op.params["dimension_numbers"]
   lhs, rhs = (a.aval for a in op.inputs)
   every = tuple(range(lhs.ndim))
   return (not contracting and tuple(lhs_batch) == tuple(rhs_batch) == every
           and lhs.shape == rhs.shape and lhs.dtype == rhs.dtype == op.outputs[0].aval.dtype
+          and op.params.get("precision") is None
           and not any(names_mesh_axes(op.params.get(k)) for k in SHARDING_PARAMS))
 
 
