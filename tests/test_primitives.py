@@ -388,6 +388,20 @@ def test_dot_of_batch_dims_only_is_a_product(eq, shape, specs, dtype, commuted):
   assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
 
 
+@pytest.mark.parametrize("eq", ["a,->a", ",a->a"])
+def test_dot_by_a_scalar_is_a_product(eq):
+  """``einsum('a,->a', x, s)`` is ``x * s`` (XLA's simplifier makes it one, and merges it with
+  an equal multiply): one value, resharded once (the thorough property run, seed 48)."""
+  def fn(x, s, dot=True):
+    first = jnp.einsum(eq, *((x, s) if eq[0] == "a" else (s, x))) if dot else x * s
+    return jnp.argmax(first, axis=0), jnp.argmax(x * s, axis=0), first
+  args, specs = (ints(4, low=-3, high=4), np.int32(-2)), (P("a"), None)
+  plan = assert_partitioned_matches(fn, args, specs, "a2b2c2", out_specs=(None, None, P("b")))
+  alone = spmd.partition(functools.partial(fn, dot=False), mesh=spmd.make_mesh(
+      {"a": 2, "b": 2, "c": 2}), in_specs=specs, out_specs=(None, None, P("b"))).plan(*args)
+  assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
+
+
 @pytest.mark.parametrize("name", ["mul", "add", "einsum", "eq"])
 def test_commuted_operands_are_one_computation(name):
   """``x * y`` and ``y * x`` (``+``, ``==``, a batch-only einsum) are one value, as XLA's CSE

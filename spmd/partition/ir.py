@@ -924,8 +924,8 @@ _COMMUTATIVE = {"add", "add_any", "mul", "and", "or", "xor", "eq", "ne"}
 
 def _commuted_key(op: Op) -> tuple | None:
   """One key for a commutative binary op of two values whichever order they come in, and for a
-  ``dot_general`` whose dims are all batch dims in order, of one type (``einsum('a,a->a')``) as
-  the ``mul`` it is: XLA's simplifier makes that dot a multiply, and its CSE merges ``x * y``,
+  ``dot_general`` whose dims are all batch dims in order, or by a scalar, of one type
+  (``einsum('a,a->a')``, ``einsum('a,->a')``) as the ``mul`` it is: XLA's simplifier makes that dot a multiply, and its CSE merges ``x * y``,
   ``y * x`` and that dot, collectives included. None for any other op."""
   if len(op.inputs) != 2 or not all(isinstance(a, Value) for a in op.inputs):
     return None
@@ -943,13 +943,16 @@ def _commuted_key(op: Op) -> tuple | None:
 
 def _dot_is_product(op: Op) -> bool:
   """Whether a ``dot_general`` multiplies elementwise: every dim of both operands a batch dim,
-  in order, operands and result of one type, at the backend's default precision (another
-  precision or algorithm may round a float's operands first), no sharding asked of its result."""
+  in order, or one operand a scalar (``einsum('a,->a')``), operands and result of one type, at
+  the backend's default precision (another precision or algorithm may round a float's operands
+  first), no sharding asked of its result."""
   (contracting, _), (lhs_batch, rhs_batch) = op.params["dimension_numbers"]
   lhs, rhs = (a.aval for a in op.inputs)
   every = tuple(range(lhs.ndim))
-  return (not contracting and tuple(lhs_batch) == tuple(rhs_batch) == every
-          and lhs.shape == rhs.shape and lhs.dtype == rhs.dtype == op.outputs[0].aval.dtype
+  elementwise = (tuple(lhs_batch) == tuple(rhs_batch) == every and lhs.shape == rhs.shape
+                 or not lhs_batch and 0 in (lhs.ndim, rhs.ndim))
+  return (not contracting and elementwise
+          and lhs.dtype == rhs.dtype == op.outputs[0].aval.dtype
           and op.params.get("precision") is None
           and not any(names_mesh_axes(op.params.get(k)) for k in SHARDING_PARAMS))
 
