@@ -329,11 +329,10 @@ def _without_dead_manual_outputs(shard_map: Op, live: set) -> Op:
   if all(used):
     return shard_map
   params = dict(shard_map.params, jaxpr=without_dead_outputs(shard_map.params["jaxpr"], used),
-                out_specs=tuple(s for s, u in zip(shard_map.params["out_specs"], used) if u))
-  eqn = shard_map.eqn.replace(params=params,
-                              outvars=[v for v, u in zip(shard_map.eqn.outvars, used) if u])
+                out_specs=tuple(_kept(shard_map.params["out_specs"], used)))
+  eqn = shard_map.eqn.replace(params=params, outvars=_kept(shard_map.eqn.outvars, used))
   return replace(shard_map, params=params, eqn=eqn,
-                 outputs=tuple(v for v, u in zip(shard_map.outputs, used) if u))
+                 outputs=tuple(_kept(shard_map.outputs, used)))
 
 
 def _without_dead_barrier_outputs(barrier: Op, live: set) -> Op:
@@ -343,10 +342,15 @@ def _without_dead_barrier_outputs(barrier: Op, live: set) -> Op:
   used = [v in live for v in barrier.outputs]
   if all(used):
     return barrier
-  keep = lambda xs: [x for x, u in zip(xs, used) if u]  # noqa: E731
-  eqn = barrier.eqn.replace(invars=keep(barrier.eqn.invars), outvars=keep(barrier.eqn.outvars))
-  return replace(barrier, eqn=eqn, inputs=tuple(keep(barrier.inputs)),
-                 outputs=tuple(keep(barrier.outputs)))
+  eqn = barrier.eqn.replace(invars=_kept(barrier.eqn.invars, used),
+                            outvars=_kept(barrier.eqn.outvars, used))
+  return replace(barrier, eqn=eqn, inputs=tuple(_kept(barrier.inputs, used)),
+                 outputs=tuple(_kept(barrier.outputs, used)))
+
+
+def _kept(items: Sequence, used: Sequence[bool]) -> list:
+  """The ``items`` whose ``used`` flag is set."""
+  return [x for x, u in zip(items, used) if u]
 
 
 def _drop_dead_branch_outputs(cond: Op, live: set) -> None:
@@ -925,8 +929,9 @@ _COMMUTATIVE = {"add", "add_any", "mul", "and", "or", "xor", "eq", "ne"}
 def _commuted_key(op: Op) -> tuple | None:
   """One key for a commutative binary op of two values whichever order they come in, and for a
   ``dot_general`` whose dims are all batch dims in order, or by a scalar, of one type
-  (``einsum('a,a->a')``, ``einsum('a,->a')``) as the ``mul`` it is: XLA's simplifier makes that dot a multiply, and its CSE merges ``x * y``,
-  ``y * x`` and that dot, collectives included. None for any other op."""
+  (``einsum('a,a->a')``, ``einsum('a,->a')``) as the ``mul`` it is: XLA's simplifier makes that
+  dot a multiply, and its CSE merges ``x * y``, ``y * x`` and that dot, collectives included.
+  None for any other op."""
   if len(op.inputs) != 2 or not all(isinstance(a, Value) for a in op.inputs):
     return None
   primitive = op.primitive
