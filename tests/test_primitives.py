@@ -359,6 +359,14 @@ def test_integer_dot():
                              "a2b4")
 
 
+def _moves_as_much_as(fn, alone, args, specs, mesh, out_specs=None):
+  """``fn`` and ``alone`` each match their unpartitioned selves, and ``fn`` moves no other bytes
+  than ``alone``: what ``fn`` adds to ``alone`` is one value with it."""
+  plan = assert_partitioned_matches(fn, args, specs, mesh, out_specs)
+  single = assert_partitioned_matches(alone, args, specs, mesh, out_specs)
+  assert plan.total_bytes == single.total_bytes, (plan.explain(), single.explain())
+
+
 PRODUCT_DOTS = [
     # (equation, shape, specs, dtype)
     ("a,a->a", (2,), (P("a"), None), np.int32),
@@ -382,10 +390,7 @@ def test_dot_of_batch_dims_only_is_a_product(eq, shape, specs, dtype, commuted):
   x = ints(*shape, low=-3, high=4).astype(dtype)
   y = ints(*shape, low=-3, high=4, seed=1).astype(dtype)
   out_specs = (None, None, P(*([None] * (len(shape) - 1)), "b"))
-  plan = assert_partitioned_matches(fn, (x, y), specs, "a2b2c2", out_specs)
-  alone = spmd.partition(functools.partial(fn, dot=False), mesh=spmd.make_mesh(
-      {"a": 2, "b": 2, "c": 2}), in_specs=specs, out_specs=out_specs).plan(x, y)
-  assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
+  _moves_as_much_as(fn, functools.partial(fn, dot=False), (x, y), specs, "a2b2c2", out_specs)
 
 
 @pytest.mark.parametrize("eq", ["a,->a", ",a->a"])
@@ -395,11 +400,8 @@ def test_dot_by_a_scalar_is_a_product(eq):
   def fn(x, s, dot=True):
     first = jnp.einsum(eq, *((x, s) if eq[0] == "a" else (s, x))) if dot else x * s
     return jnp.argmax(first, axis=0), jnp.argmax(x * s, axis=0), first
-  args, specs = (ints(4, low=-3, high=4), np.int32(-2)), (P("a"), None)
-  plan = assert_partitioned_matches(fn, args, specs, "a2b2c2", out_specs=(None, None, P("b")))
-  alone = spmd.partition(functools.partial(fn, dot=False), mesh=spmd.make_mesh(
-      {"a": 2, "b": 2, "c": 2}), in_specs=specs, out_specs=(None, None, P("b"))).plan(*args)
-  assert plan.total_bytes == alone.total_bytes, (plan.explain(), alone.explain())
+  _moves_as_much_as(fn, functools.partial(fn, dot=False), (ints(4, low=-3, high=4), np.int32(-2)),
+                    (P("a"), None), "a2b2c2", (None, None, P("b")))
 
 
 @pytest.mark.parametrize("name", ["mul", "add", "einsum", "eq"])
@@ -408,12 +410,8 @@ def test_commuted_operands_are_one_computation(name):
   merges them: resharded once, in the plan as in the compiled program."""
   op = {"mul": jnp.multiply, "add": jnp.add, "eq": jnp.equal,
         "einsum": functools.partial(jnp.einsum, "ab,ab->ab")}[name]
-  plan = assert_partitioned_matches(lambda x, y: (op(x, y), op(y, x)),
-                                    (randn(8, 6), randn(8, 6, seed=1)),
-                                    (P("a", "b"), P("b", "a")), "a2b4")
-  alone = assert_partitioned_matches(lambda x, y: op(x, y), (randn(8, 6), randn(8, 6, seed=1)),
-                                     (P("a", "b"), P("b", "a")), "a2b4")
-  assert plan.total_bytes == alone.total_bytes, plan.explain()
+  _moves_as_much_as(lambda x, y: (op(x, y), op(y, x)), op, (randn(8, 6), randn(8, 6, seed=1)),
+                    (P("a", "b"), P("b", "a")), "a2b4")
 
 
 @pytest.mark.parametrize("dtype,preferred", [(np.float32, np.int32), (np.float32, jnp.bfloat16),
